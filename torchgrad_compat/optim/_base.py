@@ -1,0 +1,590 @@
+"""The base class of the TF v1 optimizers: TensorFlow's API on torch.optim's bookkeeping.
+
+``Optimizer`` owns everything that is not update math: argument validation, slot
+creation, TF's ``compute_gradients`` / ``apply_gradients`` / ``minimize``, sparse
+coalescing, optimizer-wide ("non-slot") state, ``get_slot`` and ``state_dict``.
+Each optimizer file owns only its hyperparameters, its slot initial values and its
+update rule, reached through four hooks:
+
+- ``_init_slots(group, p)`` returns the slot tensors of a parameter;
+- ``_init_non_slot(group, device)`` returns optimizer-wide state (Adam's beta powers);
+- ``_apply_dense(group, params, grads, slots, non_slot, hyper)`` updates a list of
+  parameters of one dtype and device;
+- ``_apply_sparse(group, p, indices, values, slots, non_slot, hyper)`` updates the
+  rows ``indices`` of one parameter;
+- ``_finish(group, non_slot, hyper)`` runs once per apply, after every update
+  (TF's ``_finish``: Adam advances its beta powers there).
+
+``step()`` and ``apply_gradients()`` both end in ``_apply``: there is one update path.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+import torch
+from torch import Tensor
+from torch.optim.optimizer import _default_to_fused_or_foreach
+
+__all__ = ["Flag", "Hyper", "HyperScalars", "Optimizer", "check_range"]
+
+_VALID_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+
+
+def check_range(
+    arg: str,
+    value: float,
+    low: float = -math.inf,
+    high: float = math.inf,
+    *,
+    low_inclusive: bool = True,
+    high_inclusive: bool = False,
+) -> None:
+    """Raise ``ValueError`` naming ``arg`` unless ``value`` lies in the interval.
+
+    Written as ``not (low <= value < high)`` so that NaN is rejected too.
+    """
+    above = low <= value if low_inclusive else low < value
+    below = value <= high if high_inclusive else value < high
+    if not (above and below):
+        left = "[" if low_inclusive else "("
+        right = "]" if high_inclusive else ")"
+        raise ValueError(f"Invalid {arg} value: {value!r}; expected a value in {left}{low}, {high}{right}")
+
+
+@dataclass(frozen=True)
+class Hyper:
+    """A numeric hyperparameter: its key in the param group, TF's argument name, its range.
+
+    A value may be a Python number, a 0-d floating tensor or (as in TF) a
+    zero-argument callable returning one of those, evaluated at every apply.
+    """
+
+    key: str
+    arg: str
+    low: float = -math.inf
+    high: float = math.inf
+    low_inclusive: bool = True
+    high_inclusive: bool = False
+
+    def check(self, value: Any) -> None:
+        if callable(value) and not isinstance(value, Tensor):
+            return
+        check_range(
+            self.arg,
+            _to_float(self.arg, value),
+            self.low,
+            self.high,
+            low_inclusive=self.low_inclusive,
+            high_inclusive=self.high_inclusive,
+        )
+
+
+@dataclass(frozen=True)
+class Flag:
+    """A boolean hyperparameter (``use_nesterov``, ``centered``)."""
+
+    key: str
+    arg: str
+
+    def check(self, value: Any) -> None:
+        if not isinstance(value, bool):
+            raise TypeError(f"{self.arg} must be a bool, got {type(value).__name__}: {value!r}")
+
+
+def _to_float(arg: str, value: Any) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float, Tensor)):
+        raise TypeError(
+            f"{arg} must be a number, a 0-d floating tensor or a callable, "
+            f"got {type(value).__name__}: {value!r}"
+        )
+    if isinstance(value, Tensor):
+        if value.numel() != 1 or value.dim() != 0 or not value.is_floating_point():
+            raise TypeError(
+                f"{arg} given as a tensor must be 0-d and floating point, "
+                f"got shape {tuple(value.shape)} and dtype {value.dtype}"
+            )
+        return float(value)
+    return float(value)
+
+
+class HyperScalars:
+    """The hyperparameters of one param group as 0-d tensors of one dtype and device.
+
+    TensorFlow converts every hyperparameter to a float32 tensor and then casts it
+    to the variable's dtype; every scalar expression in a kernel (``1 - beta1``)
+    is then evaluated in that dtype. ``hyper.beta1`` reproduces that rounding:
+    float32 first, then the parameter dtype, on the parameter's device, so the
+    update math needs no host synchronisation.
+    """
+
+    def __init__(self, values: dict[str, Any], dtype: torch.dtype, device: torch.device):
+        self._values = values
+        self._cache: dict[str, Tensor] = {}
+        self.dtype = dtype
+        self.device = device
+
+    def __getattr__(self, name: str) -> Tensor:
+        if name.startswith("_"):
+            raise AttributeError(name)
+        cache = self._cache
+        if name not in cache:
+            if name not in self._values:
+                raise AttributeError(f"no hyperparameter named {name!r}")
+            cache[name] = self.tensor(self._values[name])
+        return cache[name]
+
+    def tensor(self, value: float | Tensor) -> Tensor:
+        """``value`` rounded to float32, then cast to this dtype and device."""
+        t = torch.as_tensor(value, dtype=torch.float32, device=self.device)
+        return t.to(self.dtype)
+
+    @property
+    def one(self) -> Tensor:
+        if "one" not in self._cache:
+            self._cache["one"] = torch.ones((), dtype=self.dtype, device=self.device)
+        return self._cache["one"]
+
+    def value(self, name: str) -> Any:
+        """The evaluated Python-level value (a number or a tensor), for branching."""
+        return self._values[name]
+
+
+class Optimizer(torch.optim.Optimizer):
+    """Base class of the TF v1 optimizers; a ``torch.optim.Optimizer``.
+
+    Adds TensorFlow's API: ``compute_gradients``, ``apply_gradients``,
+    ``minimize``, ``get_slot``, ``get_slot_names`` and ``variables``, and keeps
+    torch's: ``step(closure)``, ``zero_grad``, param groups, LR schedulers (the
+    learning rate lives in ``group["lr"]``) and ``state_dict``.
+
+    Slots (TF's per-variable optimizer state) are the entries of ``self.state[p]``,
+    keyed by TF's slot names. State TF keeps outside slots, once per optimizer,
+    (Adam's ``beta1_power``/``beta2_power``, AdagradDA's step) is kept once per
+    param group and advanced once per ``step``/``apply_gradients`` call; it is
+    part of ``state_dict()`` under ``"non_slot_state"``.
+
+    Subclasses declare ``_hypers`` (their hyperparameters), ``_slots`` (slot
+    names) and implement the hooks listed in this module's docstring.
+    """
+
+    GATE_NONE: ClassVar[int] = 0
+    GATE_OP: ClassVar[int] = 1
+    GATE_GRAPH: ClassVar[int] = 2
+
+    _hypers: ClassVar[tuple[Hyper | Flag, ...]] = ()
+    _slots: ClassVar[tuple[str, ...]] = ()
+    # TF sums duplicate sparse indices before the update; GradientDescent does not.
+    _coalesce_sparse: ClassVar[bool] = True
+
+    def __init__(self, params: Iterable[Tensor] | Iterable[dict[str, Any]], defaults: dict[str, Any]):
+        if isinstance(params, Tensor):
+            raise TypeError(
+                "params argument given to the optimizer should be an iterable of Tensors "
+                f"or dicts, but got {torch.typename(params)}"
+            )
+        self._non_slot: list[dict[str, Tensor]] = []
+        defaults = {"foreach": None, **defaults}
+        super().__init__(params, defaults)
+
+    # ------------------------------------------------------------------ groups
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        """Validate the group's hyperparameters and parameters, then add it (as torch does)."""
+        if not isinstance(param_group, dict):
+            raise TypeError(f"param_group must be a dict, got {type(param_group).__name__}")
+        group = dict(param_group)
+        params = group["params"]
+        params = [params] if isinstance(params, Tensor) else list(params)
+        for name, default in self.defaults.items():
+            group.setdefault(name, default)
+        for spec in self._hypers:
+            spec.check(group[spec.key])
+        if group["foreach"] is not None and not isinstance(group["foreach"], bool):
+            raise TypeError(f"foreach must be None or a bool, got {group['foreach']!r}")
+        name = type(self).__name__
+        for p in params:
+            if isinstance(p, Tensor) and p.is_complex():
+                raise ValueError(f"{name} does not support complex parameters (got dtype {p.dtype})")
+            if isinstance(p, Tensor) and p.dtype not in _VALID_DTYPES:
+                raise TypeError(
+                    f"{name} supports parameters of dtype float16, bfloat16, float32 and "
+                    f"float64 (TensorFlow's valid dtypes), got {p.dtype}"
+                )
+        group["params"] = params
+        super().add_param_group(group)
+        added = self.param_groups[-1]
+        device = added["params"][0].device if added["params"] else torch.device("cpu")
+        self._non_slot.append(self._init_non_slot(added, device))
+
+    # ------------------------------------------------------------------ hooks
+    def _slot_names_for(self, group: dict[str, Any]) -> tuple[str, ...]:
+        """Slot names used by ``group``; RMSProp overrides it (``mg`` only when centered)."""
+        return self._slots
+
+    def _init_slots(self, group: dict[str, Any], p: Tensor) -> dict[str, Tensor]:
+        return {}
+
+    def _init_non_slot(self, group: dict[str, Any], device: torch.device) -> dict[str, Tensor]:
+        return {}
+
+    def _apply_dense(
+        self,
+        group: dict[str, Any],
+        params: list[Tensor],
+        grads: list[Tensor],
+        slots: list[dict[str, Tensor]],
+        non_slot: dict[str, Tensor],
+        hyper: HyperScalars,
+    ) -> None:
+        raise NotImplementedError
+
+    def _apply_sparse(
+        self,
+        group: dict[str, Any],
+        p: Tensor,
+        indices: Tensor,
+        values: Tensor,
+        slots: dict[str, Tensor],
+        non_slot: dict[str, Tensor],
+        hyper: HyperScalars,
+    ) -> None:
+        raise NotImplementedError
+
+    def _finish(self, group: dict[str, Any], non_slot: dict[str, Tensor], values: dict[str, Any]) -> None:
+        return None
+
+    # ------------------------------------------------------------------ torch API
+    def step(self, closure: Callable[[], Any] | None = None) -> Any:
+        """Apply ``p.grad`` of every parameter that has one (torch style).
+
+        Parameters without a gradient are left untouched and get no slots. When
+        no parameter has a gradient the call does nothing (torch's convention;
+        TF's ``apply_gradients`` raises instead).
+        """
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        pairs = [(p.grad, p) for group in self.param_groups for p in group["params"] if p.grad is not None]
+        if pairs:
+            self._apply(pairs)
+        return loss
+
+    # ------------------------------------------------------------------ TF API
+    def compute_gradients(
+        self,
+        loss: Tensor | Callable[[], Tensor],
+        var_list: Sequence[Tensor] | None = None,
+        gate_gradients: int = GATE_OP,
+        aggregation_method: int | None = None,
+        colocate_gradients_with_ops: bool = False,
+        grad_loss: Tensor | None = None,
+    ) -> list[tuple[Tensor | None, Tensor]]:
+        """Gradients of ``loss`` for ``var_list`` (default: every parameter), as ``(grad, var)`` pairs.
+
+        ``loss`` is a tensor or a zero-argument callable returning one; a
+        non-scalar loss is summed (TF's default ``grad_ys`` of ones) unless
+        ``grad_loss`` is given. A variable ``loss`` does not depend on gets
+        ``None``. Unlike ``backward()``, nothing is accumulated into ``p.grad``.
+        ``gate_gradients`` and ``colocate_gradients_with_ops`` are validated and
+        have no numerical effect in eager PyTorch.
+        """
+        if gate_gradients not in (self.GATE_NONE, self.GATE_OP, self.GATE_GRAPH):
+            raise ValueError(
+                "gate_gradients must be one of: Optimizer.GATE_NONE, Optimizer.GATE_OP, "
+                f"Optimizer.GATE_GRAPH. Not {gate_gradients!r}"
+            )
+        if aggregation_method not in (None, 0, 1, 2) or isinstance(aggregation_method, bool):
+            raise ValueError(
+                f"Invalid aggregation_method specified {aggregation_method!r}. "
+                "Accepted values are [0, 1, 2] (AggregationMethod.ADD_N, "
+                "EXPERIMENTAL_TREE, EXPERIMENTAL_ACCUMULATE_N) or None."
+            )
+        if callable(loss) and not isinstance(loss, Tensor):
+            with torch.enable_grad():
+                loss = loss()
+        if not isinstance(loss, Tensor):
+            raise TypeError(f"loss must be a tensor or a callable returning one, got {type(loss).__name__}")
+        if var_list is None:
+            var_list = [p for group in self.param_groups for p in group["params"]]
+        else:
+            var_list = list(var_list)
+        if not var_list:
+            raise ValueError("No variables to optimize.")
+        for i, v in enumerate(var_list):
+            if not isinstance(v, Tensor) or not v.requires_grad:
+                raise ValueError(f"var_list[{i}] must be a tensor that requires grad, got {_describe(v)}")
+        if not loss.requires_grad:
+            return [(None, v) for v in var_list]
+        if grad_loss is None:
+            grad_loss = torch.ones_like(loss)
+        elif not isinstance(grad_loss, Tensor) or grad_loss.shape != loss.shape:
+            raise ValueError(
+                f"grad_loss must be a tensor of the loss's shape {tuple(loss.shape)}, "
+                f"got {_describe(grad_loss)}"
+            )
+        grads = torch.autograd.grad(loss, var_list, grad_outputs=grad_loss, allow_unused=True)
+        return list(zip(grads, var_list, strict=True))
+
+    def apply_gradients(
+        self,
+        grads_and_vars: Iterable[tuple[Tensor | None, Tensor]],
+        global_step: Tensor | None = None,
+        name: str | None = None,
+    ) -> None:
+        """Apply ``(grad, var)`` pairs, as TF's ``apply_gradients``.
+
+        ``None`` gradients are skipped; if every gradient is ``None`` a
+        ``ValueError`` names the variables. ``global_step``, a 0-d integer
+        tensor, is incremented in place after the update. ``name`` is accepted
+        for TF compatibility and unused.
+        """
+        pairs = list(grads_and_vars)
+        if not pairs:
+            raise ValueError("No variables provided.")
+        for item in pairs:
+            if not (isinstance(item, (tuple, list)) and len(item) == 2):
+                raise TypeError(f"grads_and_vars must hold (gradient, variable) pairs, got {item!r}")
+        if global_step is not None:
+            _check_global_step(global_step)
+        present = [(g, v) for g, v in pairs if g is not None]
+        if not present:
+            raise ValueError(f"No gradients provided for any variable: {[_describe(v) for _, v in pairs]}.")
+        self._apply(present)
+        if global_step is not None:
+            with torch.no_grad():
+                global_step.add_(1)
+
+    def minimize(
+        self,
+        loss: Tensor | Callable[[], Tensor],
+        global_step: Tensor | None = None,
+        var_list: Sequence[Tensor] | None = None,
+        gate_gradients: int = GATE_OP,
+        aggregation_method: int | None = None,
+        colocate_gradients_with_ops: bool = False,
+        name: str | None = None,
+        grad_loss: Tensor | None = None,
+    ) -> None:
+        """``compute_gradients`` then ``apply_gradients``, as TF's ``minimize``."""
+        grads_and_vars = self.compute_gradients(
+            loss,
+            var_list=var_list,
+            gate_gradients=gate_gradients,
+            aggregation_method=aggregation_method,
+            colocate_gradients_with_ops=colocate_gradients_with_ops,
+            grad_loss=grad_loss,
+        )
+        if all(g is None for g, _ in grads_and_vars):
+            raise ValueError(
+                "No gradients provided for any variable, check your graph for ops that do not "
+                f"support gradients, between variables {[_describe(v) for _, v in grads_and_vars]} "
+                "and loss."
+            )
+        self.apply_gradients(grads_and_vars, global_step=global_step, name=name)
+
+    def get_slot(self, var: Tensor, name: str) -> Tensor | None:
+        """The slot ``name`` of ``var``, or None (unknown name, unmanaged var, or before its first update)."""
+        state = self.state.get(var)
+        return None if state is None else state.get(name)
+
+    def get_slot_names(self) -> list[str]:
+        """The slot names this optimizer creates, sorted (as TF)."""
+        names: set[str] = set()
+        for group in self.param_groups:
+            names.update(self._slot_names_for(group))
+        return sorted(names)
+
+    def variables(self) -> list[Tensor]:
+        """Every optimizer-state tensor: slots (by parameter, then slot name), then non-slot state."""
+        out: list[Tensor] = []
+        for group in self.param_groups:
+            for p in group["params"]:
+                state = self.state.get(p)
+                if state:
+                    out.extend(state[k] for k in sorted(state))
+        for non_slot in self._non_slot:
+            out.extend(non_slot[k] for k in sorted(non_slot))
+        return out
+
+    # ------------------------------------------------------------------ checkpoints
+    def state_dict(self) -> dict[str, Any]:
+        """torch's ``state_dict`` plus ``"non_slot_state"``: one dict of tensors per param group."""
+        sd = super().state_dict()
+        sd["non_slot_state"] = [dict(ns) for ns in self._non_slot]
+        return sd
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Load a ``state_dict``, first checking that it fits this optimizer.
+
+        Raises ``ValueError`` (and changes nothing) when the groups differ in
+        number or size, a saved slot is missing or has the wrong shape, or the
+        non-slot state is missing or incomplete.
+        """
+        state_dict = dict(state_dict)
+        non_slot = state_dict.pop("non_slot_state", None)
+        saved_groups = state_dict.get("param_groups")
+        if not isinstance(saved_groups, list) or "state" not in state_dict:
+            raise ValueError("state_dict must hold 'state' and 'param_groups' (from Optimizer.state_dict())")
+        if len(saved_groups) != len(self.param_groups):
+            raise ValueError("loaded state dict has a different number of parameter groups")
+        cls = type(self).__name__
+        id_to_param: dict[Any, tuple[Tensor, dict[str, Any]]] = {}
+        for saved, group in zip(saved_groups, self.param_groups, strict=True):
+            if len(saved["params"]) != len(group["params"]):
+                raise ValueError(
+                    "loaded state dict contains a parameter group that doesn't match the size "
+                    "of optimizer's group"
+                )
+            for pid, p in zip(saved["params"], group["params"], strict=True):
+                id_to_param[pid] = (
+                    p,
+                    {**group, **{k: v for k, v in saved.items() if k != "params"}},
+                )
+        for pid, slots in state_dict["state"].items():
+            if pid not in id_to_param:
+                raise ValueError(f"loaded state dict holds state for an unknown parameter id {pid!r}")
+            p, group = id_to_param[pid]
+            for slot in self._slot_names_for(group):
+                if slot not in slots:
+                    raise ValueError(
+                        f"{cls}: loaded state of parameter {pid} lacks slot {slot!r} "
+                        f"(it holds {sorted(slots)}); was it saved from another optimizer?"
+                    )
+                if tuple(slots[slot].shape) != tuple(p.shape):
+                    raise ValueError(
+                        f"{cls}: loaded slot {slot!r} of parameter {pid} has shape "
+                        f"{tuple(slots[slot].shape)}, expected the parameter's shape {tuple(p.shape)}"
+                    )
+        if non_slot is None:
+            non_slot = [{} for _ in self.param_groups] if not any(self._non_slot) else None
+        if non_slot is None or len(non_slot) != len(self.param_groups):
+            raise ValueError(f"{cls}: loaded state dict lacks 'non_slot_state' for each parameter group")
+        for i, (saved_ns, ns) in enumerate(zip(non_slot, self._non_slot, strict=True)):
+            if set(saved_ns) != set(ns):
+                raise ValueError(
+                    f"{cls}: loaded non-slot state of group {i} holds {sorted(saved_ns)}, "
+                    f"expected {sorted(ns)}"
+                )
+        super().load_state_dict(state_dict)
+        self._non_slot = [
+            {k: v.detach().to(device=ns[k].device, dtype=ns[k].dtype).clone() for k, v in saved_ns.items()}
+            for saved_ns, ns in zip(non_slot, self._non_slot, strict=True)
+        ]
+
+    # ------------------------------------------------------------------ the update path
+    def _use_foreach(self, group: dict[str, Any], params: list[Tensor]) -> bool:
+        foreach = group["foreach"]
+        if foreach is None:
+            _, foreach = _default_to_fused_or_foreach(params, differentiable=False, use_fused=False)
+        return bool(foreach)
+
+    def _locate(self) -> dict[int, int]:
+        return {id(p): i for i, group in enumerate(self.param_groups) for p in group["params"]}
+
+    @torch.no_grad()
+    def _apply(self, pairs: list[tuple[Tensor, Tensor]]) -> None:
+        """Validate every pair, then update each group and run ``_finish`` once per group."""
+        where = self._locate()
+        cls = type(self).__name__
+        dense: dict[int, list[tuple[Tensor, Tensor]]] = {}
+        sparse: dict[int, list[tuple[Tensor, Tensor]]] = {}
+        seen: set[int] = set()
+        for g, p in pairs:
+            if not isinstance(p, Tensor) or id(p) not in where:
+                raise ValueError(f"{cls} does not manage variable {_describe(p)}; pass it in params")
+            if id(p) in seen:
+                raise ValueError(f"variable {_describe(p)} appears more than once in grads_and_vars")
+            seen.add(id(p))
+            _check_grad(cls, g, p)
+            (sparse if g.is_sparse else dense).setdefault(where[id(p)], []).append((g, p))
+        for gi, group in enumerate(self.param_groups):
+            values = _evaluate(group, self._hypers)
+            non_slot = self._non_slot[gi]
+            for _, p in dense.get(gi, []) + sparse.get(gi, []):
+                if not self.state.get(p):
+                    self.state[p] = self._init_slots(group, p)
+            buckets: dict[tuple[torch.device, torch.dtype], list[tuple[Tensor, Tensor]]] = {}
+            for g, p in dense.get(gi, []):
+                buckets.setdefault((p.device, p.dtype), []).append((g, p))
+            for (device, dtype), bucket in buckets.items():
+                params = [p for _, p in bucket]
+                self._apply_dense(
+                    group,
+                    params,
+                    [g for g, _ in bucket],
+                    [self.state[p] for p in params],
+                    non_slot,
+                    HyperScalars(values, dtype, device),
+                )
+            for g, p in sparse.get(gi, []):
+                if self._coalesce_sparse:
+                    g = g.coalesce()
+                    indices, grad_values = g.indices()[0], g.values()
+                else:
+                    indices, grad_values = g._indices()[0], g._values()
+                self._apply_sparse(
+                    group,
+                    p,
+                    indices,
+                    grad_values,
+                    self.state[p],
+                    non_slot,
+                    HyperScalars(values, p.dtype, p.device),
+                )
+            self._finish(group, non_slot, values)
+
+
+def _evaluate(group: dict[str, Any], hypers: tuple[Hyper | Flag, ...]) -> dict[str, Any]:
+    """The group's hyperparameter values, callables evaluated (TF's ``_call_if_callable``)."""
+    values: dict[str, Any] = {}
+    for spec in hypers:
+        value = group[spec.key]
+        if isinstance(spec, Hyper) and callable(value) and not isinstance(value, Tensor):
+            value = value()
+            spec.check(value)
+        values[spec.key] = value
+    return values
+
+
+def _check_grad(cls: str, g: Any, p: Tensor) -> None:
+    if not isinstance(g, Tensor):
+        raise TypeError(
+            f"Gradient must be a Tensor or None, got {type(g).__name__} for variable {_describe(p)}"
+        )
+    if g.shape != p.shape:
+        raise ValueError(
+            f"{cls}: gradient shape {tuple(g.shape)} does not match variable shape {tuple(p.shape)}"
+        )
+    if g.dtype != p.dtype:
+        raise TypeError(f"{cls}: gradient dtype {g.dtype} does not match variable dtype {p.dtype}")
+    if g.device != p.device:
+        raise ValueError(f"{cls}: gradient on {g.device} but variable on {p.device}")
+    if g.is_sparse:
+        if g.sparse_dim() != 1:
+            raise ValueError(
+                f"{cls}: sparse gradients must be row-sparse (sparse_dim 1, as from "
+                f"nn.Embedding(sparse=True) or TF's IndexedSlices), got sparse_dim {g.sparse_dim()}"
+            )
+    elif g.layout != torch.strided:
+        raise ValueError(f"{cls}: gradient layout {g.layout} is not supported (strided or sparse COO)")
+
+
+def _check_global_step(global_step: Any) -> None:
+    if (
+        not isinstance(global_step, Tensor)
+        or global_step.dim() != 0
+        or global_step.is_floating_point()
+        or global_step.is_complex()
+        or global_step.dtype == torch.bool
+    ):
+        raise TypeError(f"global_step must be a 0-d integer tensor, got {_describe(global_step)}")
+
+
+def _describe(v: Any) -> str:
+    if isinstance(v, Tensor):
+        return f"tensor(shape={tuple(v.shape)}, dtype={v.dtype})"
+    return f"{type(v).__name__}: {v!r}"

@@ -1,0 +1,200 @@
+"""``tf.compat.v1.train.AdamOptimizer`` as a torch optimizer."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from ._base import Hyper, HyperScalars, Optimizer
+
+__all__ = ["AdamOptimizer", "adam"]
+
+
+class AdamOptimizer(Optimizer):
+    r"""Adam, exactly as TensorFlow v1's ``AdamOptimizer``.
+
+    With :math:`\eta` = ``learning_rate``, :math:`\beta_1` = ``beta1``,
+    :math:`\beta_2` = ``beta2``, :math:`\hat\epsilon` = ``epsilon`` and the
+    optimizer-wide powers :math:`p_1 = \beta_1^t`, :math:`p_2 = \beta_2^t`:
+
+    .. math::
+        \alpha &= \eta\sqrt{1 - p_2} / (1 - p_1) \\
+        m &\leftarrow m + (g - m)(1 - \beta_1) \\
+        v &\leftarrow v + (g^2 - v)(1 - \beta_2) \\
+        \theta &\leftarrow \theta - m\alpha / (\sqrt{v} + \hat\epsilon)
+
+    and, once per ``step``/``apply_gradients`` after every parameter is
+    updated, :math:`p_1 \leftarrow p_1\beta_1`, :math:`p_2 \leftarrow p_2\beta_2`.
+
+    Slots: ``m`` (0; torch's ``exp_avg``) and ``v`` (0; torch's ``exp_avg_sq``).
+    Non-slot state: ``beta1_power`` and ``beta2_power``, float32, starting at
+    ``beta1`` and ``beta2``: one pair per param group (TF keeps one per
+    optimizer), advanced once per call whether or not a parameter had a
+    gradient, and saved in ``state_dict()["non_slot_state"]``.
+
+    Sparse gradients (row-sparse COO) follow TF's sparse rule, which is *not*
+    lazy: duplicate rows are summed, then ``m`` and ``v`` of every row decay
+    (``m ← m β₁``, ``m[rows] += g (1-β₁)``, likewise ``v``) and every row of
+    the parameter moves.
+
+    Differences from ``torch.optim.Adam``:
+        1. ``epsilon`` is added to :math:`\sqrt{v}`, not to the bias-corrected
+           :math:`\sqrt{\hat v}` (TF's "epsilon hat"): a TF ``epsilon`` equals
+           torch's ``eps`` times :math:`\sqrt{1-\beta_2^t}`.
+        2. The step count is optimizer-wide: a parameter that skipped steps
+           still sees :math:`t` advance (torch counts per parameter).
+        3. The bias corrections use float32 running products of the betas, and
+           ``1 - beta`` is evaluated in float32 (``1 - 0.999 = 0.0009999871``).
+        4. Sparse gradients decay every row (``torch.optim.SparseAdam`` is lazy).
+
+    ``use_locking`` and ``name`` are not reproduced.
+
+    Args:
+        params: tensors or param-group dicts.
+        learning_rate: ``>= 0``; a number, a 0-d tensor or a callable.
+        beta1: in ``[0, 1)``.
+        beta2: in ``[0, 1)``.
+        epsilon: ``>= 0``.
+        foreach: use the multi-tensor path; None picks it where torch would.
+
+    Raises:
+        ValueError: a hyperparameter is out of range, NaN or infinite.
+        TypeError: a hyperparameter is not a number, 0-d tensor or callable.
+
+    Example:
+        >>> w = torch.nn.Parameter(torch.tensor([1.0, -1.0]))
+        >>> opt = AdamOptimizer([w], learning_rate=0.1)
+        >>> opt.minimize(lambda: (w * w).sum())
+        >>> w.detach()
+        tensor([ 0.9000, -0.9000])
+    """
+
+    _hypers = (
+        Hyper("lr", "learning_rate", 0.0),
+        Hyper("beta1", "beta1", 0.0, 1.0),
+        Hyper("beta2", "beta2", 0.0, 1.0),
+        Hyper("epsilon", "epsilon", 0.0),
+    )
+    _slots = ("m", "v")
+
+    def __init__(
+        self,
+        params: Iterable[Tensor] | Iterable[dict[str, Any]],
+        learning_rate: float | Tensor | Any = 0.001,
+        beta1: float | Tensor | Any = 0.9,
+        beta2: float | Tensor | Any = 0.999,
+        epsilon: float | Tensor | Any = 1e-08,
+        *,
+        foreach: bool | None = None,
+    ):
+        defaults = {
+            "lr": learning_rate,
+            "beta1": beta1,
+            "beta2": beta2,
+            "epsilon": epsilon,
+            "foreach": foreach,
+        }
+        super().__init__(params, defaults)
+
+    def _init_slots(self, group, p):
+        return {
+            "m": torch.zeros_like(p, memory_format=torch.preserve_format),
+            "v": torch.zeros_like(p, memory_format=torch.preserve_format),
+        }
+
+    def _init_non_slot(self, group, device):
+        def power(beta: Any) -> Tensor:
+            beta = beta() if callable(beta) and not isinstance(beta, Tensor) else beta
+            return torch.as_tensor(beta, dtype=torch.float32, device=device).clone()
+
+        return {"beta1_power": power(group["beta1"]), "beta2_power": power(group["beta2"])}
+
+    def _apply_dense(self, group, params, grads, slots, non_slot, hyper):
+        adam(
+            params,
+            grads,
+            [s["m"] for s in slots],
+            [s["v"] for s in slots],
+            alpha=_alpha(non_slot, hyper),
+            one_minus_beta1=hyper.one - hyper.beta1,
+            one_minus_beta2=hyper.one - hyper.beta2,
+            epsilon=hyper.epsilon,
+            foreach=self._use_foreach(group, params),
+        )
+
+    def _apply_sparse(self, group, p, indices, values, slots, non_slot, hyper):
+        _sparse_adam(p, indices, values, slots["m"], slots["v"], alpha=_alpha(non_slot, hyper), hyper=hyper)
+
+    def _finish(self, group, non_slot, values):
+        for name, key in (("beta1_power", "beta1"), ("beta2_power", "beta2")):
+            power = non_slot[name]
+            beta = torch.as_tensor(values[key], dtype=torch.float32, device=power.device)
+            non_slot[name] = power * beta
+
+
+def _alpha(non_slot: dict[str, Tensor], hyper: HyperScalars) -> Tensor:
+    """α = η·√(1 - p₂) / (1 - p₁), in the parameter dtype (TF casts the powers first)."""
+    beta1_power = non_slot["beta1_power"].to(device=hyper.device, dtype=hyper.dtype)
+    beta2_power = non_slot["beta2_power"].to(device=hyper.device, dtype=hyper.dtype)
+    return hyper.lr * torch.sqrt(hyper.one - beta2_power) / (hyper.one - beta1_power)
+
+
+def adam(
+    params: list[Tensor],
+    grads: list[Tensor],
+    ms: list[Tensor],
+    vs: list[Tensor],
+    *,
+    alpha: Tensor,
+    one_minus_beta1: Tensor,
+    one_minus_beta2: Tensor,
+    epsilon: Tensor,
+    foreach: bool,
+) -> None:
+    """Functional form of :class:`AdamOptimizer`'s dense update (scalars already in the params' dtype)."""
+    impl = _multi_tensor_adam if foreach else _single_tensor_adam
+    impl(
+        params,
+        grads,
+        ms,
+        vs,
+        alpha=alpha,
+        one_minus_beta1=one_minus_beta1,
+        one_minus_beta2=one_minus_beta2,
+        epsilon=epsilon,
+    )
+
+
+def _single_tensor_adam(params, grads, ms, vs, *, alpha, one_minus_beta1, one_minus_beta2, epsilon):
+    for p, g, m, v in zip(params, grads, ms, vs, strict=True):
+        m.add_((g - m).mul_(one_minus_beta1))  # 1. m = m + (g - m)(1-β₁)
+        v.add_((g * g).sub_(v).mul_(one_minus_beta2))  # 2. v = v + (g² - v)(1-β₂)
+        p.sub_((m * alpha).div_(v.sqrt().add_(epsilon)))  # 3. θ = θ - mα / (√v + ε̂)
+
+
+def _multi_tensor_adam(params, grads, ms, vs, *, alpha, one_minus_beta1, one_minus_beta2, epsilon):
+    # Each intermediate is one list, reused in place, so the extra memory is one
+    # copy of the gradients at a time.
+    tmp = torch._foreach_sub(grads, ms)
+    torch._foreach_mul_(tmp, one_minus_beta1)
+    torch._foreach_add_(ms, tmp)
+    tmp = torch._foreach_mul(grads, grads)
+    torch._foreach_sub_(tmp, vs)
+    torch._foreach_mul_(tmp, one_minus_beta2)
+    torch._foreach_add_(vs, tmp)
+    denom = torch._foreach_sqrt(vs)
+    torch._foreach_add_(denom, epsilon)
+    tmp = torch._foreach_mul(ms, alpha)
+    torch._foreach_div_(tmp, denom)
+    torch._foreach_sub_(params, tmp)
+
+
+def _sparse_adam(p, indices, values, m, v, *, alpha, hyper):
+    # TF's _apply_sparse_shared: every row decays and moves; only the given rows
+    # receive the gradient. The association differs from the dense kernel.
+    m.mul_(hyper.beta1).index_add_(0, indices, values * (hyper.one - hyper.beta1))
+    v.mul_(hyper.beta2).index_add_(0, indices, (values * values) * (hyper.one - hyper.beta2))
+    p.sub_((alpha * m).div_(v.sqrt().add_(hyper.epsilon)))

@@ -1,0 +1,90 @@
+"""``tf.compat.v1.train.GradientDescentOptimizer`` as a torch optimizer."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from ._base import Hyper, Optimizer
+
+__all__ = ["GradientDescentOptimizer", "gradient_descent"]
+
+
+class GradientDescentOptimizer(Optimizer):
+    r"""Plain gradient descent, as TensorFlow's ``GradientDescentOptimizer``.
+
+    With :math:`\eta` = ``learning_rate``:
+
+    .. math::
+        \theta \leftarrow \theta - g\,\eta
+
+    Slots: none.
+
+    Sparse gradients: TensorFlow does *not* sum duplicate indices first; it
+    scatter-adds ``-g * lr`` row by row, so a row named twice is updated twice
+    in sequence, ``(θ - g₁η) - g₂η``. This optimizer does the same.
+
+    Differences from ``torch.optim.SGD`` (without momentum): the product is
+    ``g * lr`` with ``lr`` rounded to float32 and then to the parameter dtype
+    (``torch.optim.SGD`` adds ``-lr * g`` with ``lr`` in double); the results
+    agree up to rounding. ``use_locking`` and ``name`` are not reproduced.
+
+    Args:
+        params: tensors or param-group dicts, as for any torch optimizer.
+        learning_rate: step size, ``>= 0``; a number, a 0-d tensor or a callable.
+        foreach: use the multi-tensor path; None picks it where torch would.
+
+    Raises:
+        ValueError: ``learning_rate`` is negative, NaN or infinite.
+        TypeError: ``learning_rate`` is not a number, 0-d tensor or callable.
+
+    Example:
+        >>> w = torch.nn.Parameter(torch.tensor([1.0, 2.0]))
+        >>> opt = GradientDescentOptimizer([w], learning_rate=0.5)
+        >>> opt.minimize(lambda: (w * w).sum())
+        >>> w.detach()
+        tensor([0., 0.])
+    """
+
+    _hypers = (Hyper("lr", "learning_rate", 0.0),)
+    _coalesce_sparse = False
+
+    def __init__(
+        self,
+        params: Iterable[Tensor] | Iterable[dict[str, Any]],
+        learning_rate: float | Tensor | Any,
+        *,
+        foreach: bool | None = None,
+    ):
+        super().__init__(params, {"lr": learning_rate, "foreach": foreach})
+
+    def _apply_dense(self, group, params, grads, slots, non_slot, hyper):
+        gradient_descent(params, grads, lr=hyper.lr, foreach=self._use_foreach(group, params))
+
+    def _apply_sparse(self, group, p, indices, values, slots, non_slot, hyper):
+        _sparse_gradient_descent(p, indices, values, lr=hyper.lr)
+
+
+def gradient_descent(params: list[Tensor], grads: list[Tensor], *, lr: Tensor, foreach: bool) -> None:
+    """Functional form of :class:`GradientDescentOptimizer`'s dense update."""
+    if foreach:
+        _multi_tensor_gradient_descent(params, grads, lr=lr)
+    else:
+        _single_tensor_gradient_descent(params, grads, lr=lr)
+
+
+def _single_tensor_gradient_descent(params: list[Tensor], grads: list[Tensor], *, lr: Tensor) -> None:
+    for p, g in zip(params, grads, strict=True):
+        p.sub_(g * lr)  # θ = θ - g·η
+
+
+def _multi_tensor_gradient_descent(params: list[Tensor], grads: list[Tensor], *, lr: Tensor) -> None:
+    torch._foreach_sub_(params, torch._foreach_mul(grads, lr))
+
+
+def _sparse_gradient_descent(p: Tensor, indices: Tensor, values: Tensor, *, lr: Tensor) -> None:
+    # TF's resource path: scatter_add(θ, indices, (-g)·η), duplicates in order.
+    p.index_add_(0, indices, values.neg() * lr)
