@@ -21,7 +21,8 @@ update rule, reached through four hooks:
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
@@ -32,6 +33,7 @@ from torch.optim.optimizer import _default_to_fused_or_foreach
 __all__ = ["Flag", "Hyper", "HyperScalars", "Optimizer", "check_range"]
 
 _VALID_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+_HALF_DTYPES = (torch.float16, torch.bfloat16)
 
 
 def check_range(
@@ -189,6 +191,10 @@ class Optimizer(torch.optim.Optimizer):
         self._non_slot: list[dict[str, Tensor]] = []
         defaults = {"foreach": None, **defaults}
         super().__init__(params, defaults)
+
+    def __getstate__(self) -> dict[str, Any]:
+        # torch pickles only defaults, state and param_groups; non-slot state travels too.
+        return {**super().__getstate__(), "_non_slot": self._non_slot}
 
     # ------------------------------------------------------------------ groups
     def add_param_group(self, param_group: dict[str, Any]) -> None:
@@ -510,32 +516,47 @@ class Optimizer(torch.optim.Optimizer):
             buckets: dict[tuple[torch.device, torch.dtype], list[tuple[Tensor, Tensor]]] = {}
             for g, p in dense.get(gi, []):
                 buckets.setdefault((p.device, p.dtype), []).append((g, p))
-            for (device, dtype), bucket in buckets.items():
+            for bucket in buckets.values():
                 params = [p for _, p in bucket]
-                self._apply_dense(
-                    group,
-                    params,
-                    [g for g, _ in bucket],
-                    [self.state[p] for p in params],
-                    non_slot,
-                    HyperScalars(values, dtype, device),
-                )
+                grads = [g for g, _ in bucket]
+                slots = [self.state[p] for p in params]
+                with _working_precision(params, grads, slots, values) as (ps, gs, ss, hyper):
+                    self._apply_dense(group, ps, gs, ss, non_slot, hyper)
             for g, p in sparse.get(gi, []):
                 if self._coalesce_sparse:
                     g = g.coalesce()
                     indices, grad_values = g.indices()[0], g.values()
                 else:
                     indices, grad_values = g._indices()[0], g._values()
-                self._apply_sparse(
-                    group,
-                    p,
-                    indices,
-                    grad_values,
-                    self.state[p],
-                    non_slot,
-                    HyperScalars(values, p.dtype, p.device),
-                )
+                with _working_precision([p], [grad_values], [self.state[p]], values) as (ps, gs, ss, hyper):
+                    self._apply_sparse(group, ps[0], indices, gs[0], ss[0], non_slot, hyper)
             self._finish(group, non_slot, values)
+
+
+@contextmanager
+def _working_precision(
+    params: list[Tensor], grads: list[Tensor], slots: list[dict[str, Tensor]], values: dict[str, Any]
+) -> Iterator[tuple[list[Tensor], list[Tensor], list[dict[str, Tensor]], HyperScalars]]:
+    """The tensors an update works on, and the hyperparameters in their dtype.
+
+    float16/bfloat16 parameters are updated through float32 working copies (of
+    parameter, gradient and slots) that are rounded back once when stored, as
+    torch's fused kernels do. TensorFlow instead casts the hyperparameters to
+    the half dtype, where ``bfloat16(1 - 0.999) == 0`` and ``float16(1e-8) == 0``:
+    its bfloat16 Adam never updates ``v``.
+    """
+    dtype, device = params[0].dtype, params[0].device
+    if dtype not in _HALF_DTYPES:
+        yield params, grads, slots, HyperScalars(values, dtype, device)
+        return
+    wide_params = [p.float() for p in params]
+    wide_slots = [{k: v.float() for k, v in s.items()} for s in slots]
+    yield wide_params, [g.float() for g in grads], wide_slots, HyperScalars(values, torch.float32, device)
+    for p, wide in zip(params, wide_params, strict=True):
+        p.copy_(wide)
+    for s, wide in zip(slots, wide_slots, strict=True):
+        for k, v in s.items():
+            v.copy_(wide[k])
 
 
 def _evaluate(group: dict[str, Any], hypers: tuple[Hyper | Flag, ...]) -> dict[str, Any]:

@@ -1,0 +1,510 @@
+"""Generic checks over the optimizer table (tests/optim_specs.py).
+
+Numbers against TensorFlow live in test_tf_parity.py; this file checks the
+contract: the two implementations agree, the driving modes agree, slots, state
+dicts, errors, sparse rules, dtypes and learning-rate handling.
+"""
+
+from __future__ import annotations
+
+import copy
+import io
+import math
+
+import pytest
+import torch
+
+import torchgrad_compat.optim as tgo
+from optim_specs import SPECS, OptimSpec, spec_configs
+
+DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16)
+
+
+def _ids(pairs):
+    return [f"{spec.name.removesuffix('Optimizer')}-{cid}" for spec, cid in pairs]
+
+
+SPEC_CONFIGS = spec_configs()
+SPEC_IDS = _ids(SPEC_CONFIGS)
+DEFAULT_CONFIGS = [(spec, next(iter(spec.configs))) for spec in SPECS]
+DEFAULT_IDS = _ids(DEFAULT_CONFIGS)
+
+
+def _params(dtype=torch.float32, seed=0, *, empty=False):
+    gen = torch.Generator().manual_seed(seed)
+    shapes = [(4, 3), (5,)] + ([(0,)] if empty else [])
+    return [torch.randn(s, generator=gen, dtype=torch.float64).to(dtype).requires_grad_() for s in shapes]
+
+
+def _grads(params, step, seed=1):
+    gen = torch.Generator().manual_seed(seed * 1000 + step)
+    return [torch.randn(p.shape, generator=gen, dtype=torch.float64).to(p.dtype) for p in params]
+
+
+def _state_tensors(opt):
+    """Every slot and non-slot tensor, in a fixed order, for bitwise comparisons."""
+    out = []
+    for group in opt.param_groups:
+        for p in group["params"]:
+            state = opt.state.get(p, {})
+            out.extend((k, state[k]) for k in sorted(state))
+    for i, ns in enumerate(opt.state_dict()["non_slot_state"]):
+        out.extend((f"{i}/{k}", ns[k]) for k in sorted(ns))
+    return out
+
+
+def _assert_bitwise(a, b):
+    assert len(a) == len(b)
+    for x, y in zip(a, b, strict=True):
+        if isinstance(x, tuple):
+            assert x[0] == y[0]
+            x, y = x[1], y[1]
+        assert torch.equal(x, y), (x, y)
+
+
+def _run_apply(spec, cid, params, steps, *, foreach=None, skip=None, **overrides):
+    """Drive the optimizer TF-style for `steps` steps; `skip(step)` names params left without a grad."""
+    opt = spec.make(params, cid, foreach=foreach, **overrides)
+    for step in range(steps):
+        grads = _grads(params, step)
+        pairs = [(g if not (skip and i in skip(step)) else None, p) for i, (g, p) in enumerate(zip(grads, params))]
+        opt.apply_gradients(pairs)
+    return opt
+
+
+# ---------------------------------------------------------------- implementations agree
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize(("spec", "cid"), SPEC_CONFIGS, ids=SPEC_IDS)
+def test_foreach_matches_reference(spec: OptimSpec, cid: str, dtype):
+    # Bitwise: the foreach path issues the same ops in the same order. Step 2 has no
+    # gradient for var1, so the per-call bookkeeping of partial updates is exercised.
+    runs = []
+    for foreach in (False, True):
+        params = _params(dtype, empty=True)
+        opt = _run_apply(spec, cid, params, 5, foreach=foreach, skip=lambda s: {1} if s == 2 else set())
+        runs.append((params, opt))
+    (p_ref, o_ref), (p_fe, o_fe) = runs
+    _assert_bitwise(p_ref, p_fe)
+    _assert_bitwise(_state_tensors(o_ref), _state_tensors(o_fe))
+
+
+def _quadratic(params, target_seed=7):
+    gen = torch.Generator().manual_seed(target_seed)
+    targets = [torch.randn(p.shape, generator=gen, dtype=p.dtype) for p in params]
+    return sum(((p - t) ** 2).sum() * 0.5 for p, t in zip(params, targets, strict=True))
+
+
+@pytest.mark.parametrize(("spec", "cid"), SPEC_CONFIGS, ids=SPEC_IDS)
+def test_driving_modes_agree(spec: OptimSpec, cid: str):
+    """minimize ≡ compute_gradients + apply_gradients ≡ backward + step, bitwise."""
+    finals = []
+    for mode in ("minimize", "compute_apply", "backward_step"):
+        params = _params(torch.float64)
+        opt = spec.make(params, cid)
+        for _ in range(4):
+            if mode == "minimize":
+                opt.minimize(lambda params=params: _quadratic(params))
+            elif mode == "compute_apply":
+                opt.apply_gradients(opt.compute_gradients(_quadratic(params)))
+            else:
+                opt.zero_grad()
+                _quadratic(params).backward()
+                opt.step()
+        finals.append((params, _state_tensors(opt)))
+    for params, state in finals[1:]:
+        _assert_bitwise(finals[0][0], params)
+        _assert_bitwise(finals[0][1], state)
+
+
+# ---------------------------------------------------------------- slots
+@pytest.mark.parametrize(("spec", "cid"), SPEC_CONFIGS, ids=SPEC_IDS)
+def test_slots(spec: OptimSpec, cid: str):
+    params = _params(torch.float64)
+    opt = spec.make(params, cid)
+    expected = spec.slots_for(cid)
+    assert opt.get_slot_names() == sorted(expected)
+    for name in expected:
+        assert opt.get_slot(params[0], name) is None  # TF creates slots at the first apply
+    opt.apply_gradients([(_grads(params, 0)[0], params[0])])
+    for name in expected:
+        slot = opt.get_slot(params[0], name)
+        assert slot.shape == params[0].shape
+        assert slot.dtype == params[0].dtype and slot.device == params[0].device
+        assert not slot.requires_grad
+        assert all(slot is not p for p in params)
+        assert any(slot is v for v in opt.variables())
+    # A parameter that never had a gradient has no slots.
+    assert all(opt.get_slot(params[1], name) is None for name in expected)
+    assert opt.get_slot(params[0], "no-such-slot") is None
+    assert opt.get_slot(torch.zeros(3), expected[0] if expected else "m") is None
+    non_slot = opt.state_dict()["non_slot_state"][0]
+    assert sorted(non_slot) == sorted(spec.non_slot)
+
+
+# ---------------------------------------------------------------- checkpoints
+@pytest.mark.parametrize(("spec", "cid"), SPEC_CONFIGS, ids=SPEC_IDS)
+def test_state_dict_resume_is_bitwise(spec: OptimSpec, cid: str):
+    steps_before, steps_after = 3, 4
+    params = _params(torch.float32)
+    opt = spec.make(params, cid)
+    for step in range(steps_before):
+        opt.apply_gradients(zip(_grads(params, step), params))
+    buf = io.BytesIO()
+    torch.save(opt.state_dict(), buf)
+    resumed_params = [p.detach().clone().requires_grad_() for p in params]
+    resumed = spec.make(resumed_params, cid)
+    buf.seek(0)
+    resumed.load_state_dict(torch.load(buf, weights_only=True))
+    for step in range(steps_before, steps_before + steps_after):
+        opt.apply_gradients(zip(_grads(params, step), params))
+        resumed.apply_gradients(zip(_grads(resumed_params, step), resumed_params))
+    _assert_bitwise(params, resumed_params)
+    _assert_bitwise(_state_tensors(opt), _state_tensors(resumed))
+
+
+@pytest.mark.parametrize(("spec", "cid"), DEFAULT_CONFIGS, ids=DEFAULT_IDS)
+def test_load_state_dict_rejects_what_does_not_fit(spec: OptimSpec, cid: str):
+    params = _params()
+    opt = spec.make(params, cid)
+    opt.apply_gradients(zip(_grads(params, 0), params))
+    good = opt.state_dict()
+
+    fresh = spec.make(_params(), cid)
+    before = copy.deepcopy(fresh.state_dict())
+    with pytest.raises(ValueError, match="different number of parameter groups"):
+        fresh.load_state_dict({**good, "param_groups": good["param_groups"] * 2})
+    if spec.slots:
+        slot = spec.slots[0]
+        bad_state = {0: {**good["state"][0], slot: torch.zeros(7)}}
+        with pytest.raises(ValueError, match=rf"slot '{slot}'.*shape \(7,\).*\(4, 3\)"):
+            fresh.load_state_dict({**good, "state": {**good["state"], **bad_state}})
+        # A checkpoint of another optimizer names the missing slot.
+        other = tgo.GradientDescentOptimizer if spec.name != "GradientDescentOptimizer" else tgo.AdamOptimizer
+        other_params = _params()
+        other_opt = other(other_params, learning_rate=0.1)
+        other_opt.apply_gradients(zip(_grads(other_params, 0), other_params))
+        foreign = {**other_opt.state_dict(), "state": {0: {"unrelated": torch.zeros(4, 3)}}}
+        with pytest.raises(ValueError, match=f"lacks slot '{slot}'"):
+            fresh.load_state_dict(foreign)
+    if spec.non_slot:
+        with pytest.raises(ValueError, match="non_slot_state|non-slot"):
+            fresh.load_state_dict({k: v for k, v in good.items() if k != "non_slot_state"})
+    _assert_bitwise(_state_tensors(fresh), [(k, v) for k, v in _state_tensors(fresh)])
+    assert fresh.state_dict()["state"] == before["state"]  # nothing was loaded half-way
+
+
+def test_load_state_dict_does_not_mutate_its_argument():
+    params = _params()
+    opt = tgo.AdamOptimizer(params, learning_rate=0.1)
+    opt.apply_gradients(zip(_grads(params, 0), params))
+    sd = opt.state_dict()
+    keys = set(sd)
+    tgo.AdamOptimizer(_params(), learning_rate=0.1).load_state_dict(sd)
+    assert set(sd) == keys and "non_slot_state" in sd
+
+
+# ---------------------------------------------------------------- errors
+def _bad_arg_cases():
+    cases = []
+    for spec in SPECS:
+        for arg, value, exc in spec.bad_args:
+            cases.append(pytest.param(spec, arg, value, exc, id=f"{spec.name.removesuffix('Optimizer')}-{arg}={value!r}"))
+    return cases
+
+
+@pytest.mark.parametrize(("spec", "arg", "value", "exc"), _bad_arg_cases())
+def test_bad_hyperparameters_are_rejected(spec: OptimSpec, arg, value, exc):
+    with pytest.raises(exc) as info:
+        spec.make(_params(), **{arg: value})
+    message = str(info.value)
+    assert arg in message
+    if isinstance(value, float):
+        assert repr(value) in message
+
+
+@pytest.mark.parametrize(("spec", "cid"), DEFAULT_CONFIGS, ids=DEFAULT_IDS)
+def test_bad_hyperparameter_in_a_param_group_is_rejected(spec: OptimSpec, cid: str):
+    params = _params()
+    with pytest.raises(ValueError, match="learning_rate.*nan"):
+        spec.make([{"params": params[:1]}, {"params": params[1:], "lr": math.nan}], cid)
+
+
+@pytest.mark.parametrize(("spec", "cid"), DEFAULT_CONFIGS, ids=DEFAULT_IDS)
+def test_bad_inputs_get_clear_errors(spec: OptimSpec, cid: str):
+    params = _params()
+    with pytest.raises(ValueError, match="empty parameter list"):
+        spec.make([], cid)
+    with pytest.raises(TypeError, match="iterable of Tensors"):
+        spec.make(params[0], cid)
+    with pytest.raises(ValueError, match="complex"):
+        spec.make([torch.zeros(2, dtype=torch.complex64, requires_grad=True)], cid)
+    with pytest.raises(TypeError, match="torch.int64"):
+        spec.make([torch.zeros(2, dtype=torch.int64)], cid)
+    opt = spec.make(params, cid)
+    with pytest.raises(ValueError, match=r"gradient shape \(3, 4\) does not match variable shape \(4, 3\)"):
+        opt.apply_gradients([(torch.zeros(3, 4), params[0])])
+    with pytest.raises(TypeError, match="dtype torch.float64 does not match"):
+        opt.apply_gradients([(torch.zeros(4, 3, dtype=torch.float64), params[0])])
+    with pytest.raises(ValueError, match="does not manage variable"):
+        opt.apply_gradients([(torch.zeros(2), torch.zeros(2, requires_grad=True))])
+    with pytest.raises(ValueError, match=r"No gradients provided for any variable.*\(4, 3\).*\(5,\)"):
+        opt.apply_gradients([(None, params[0]), (None, params[1])])
+    with pytest.raises(TypeError, match="global_step must be a 0-d integer tensor"):
+        opt.apply_gradients([(torch.zeros(4, 3), params[0])], global_step=torch.tensor(0.0))
+    with pytest.raises(ValueError, match="gate_gradients"):
+        opt.compute_gradients(_quadratic(params), gate_gradients=5)
+    with pytest.raises(ValueError, match="aggregation_method"):
+        opt.compute_gradients(_quadratic(params), aggregation_method=7)
+    elementwise = torch.sparse_coo_tensor(torch.tensor([[0], [1]]), torch.tensor([1.0]), (4, 3))
+    with pytest.raises(ValueError, match="row-sparse"):
+        opt.apply_gradients([(elementwise, params[0])])
+    wrong_rows = torch.sparse_coo_tensor(torch.tensor([[0]]), torch.ones(1, 3), (6, 3))
+    with pytest.raises(ValueError, match="gradient shape"):
+        opt.apply_gradients([(wrong_rows, params[0])])
+    assert not opt.state  # none of the rejected calls created state
+
+
+# ---------------------------------------------------------------- sparse rules
+def _sparse(indices, values, shape):
+    return torch.sparse_coo_tensor(torch.tensor([indices]), values, shape)
+
+
+@pytest.mark.parametrize(("spec", "cid"), SPEC_CONFIGS, ids=SPEC_IDS)
+def test_sparse_rows_follow_tf_rule(spec: OptimSpec, cid: str):
+    """Lazy optimizers leave rows without a gradient and their slots untouched; Adam moves every row."""
+    p = _params()[0]
+    opt = spec.make([p], cid)
+    opt.apply_gradients([(_sparse([0, 1, 2, 3], torch.ones(4, 3), (4, 3)), p)])
+    rows_before = p.detach()[[1, 3]].clone()
+    slots_before = {k: v[[1, 3]].clone() for k, v in opt.state[p].items()}
+    for step in range(3):
+        opt.apply_gradients([(_sparse([2, 0, 2], _grads([torch.zeros(3, 3)], step)[0], (4, 3)), p)])
+    moved = not torch.equal(p.detach()[[1, 3]], rows_before)
+    assert moved == (not spec.sparse_lazy)
+    for k, v in opt.state[p].items():
+        assert torch.equal(v[[1, 3]], slots_before[k]) == spec.sparse_lazy, k
+
+
+@pytest.mark.parametrize(("spec", "cid"), SPEC_CONFIGS, ids=SPEC_IDS)
+def test_sparse_duplicates_are_summed_first(spec: OptimSpec, cid: str):
+    """values [1, 2] at rows [1, 1] ≡ [3] at row [1] (TF sums duplicates before the update)."""
+    results = []
+    for indices, values in (([1, 1], [[1.0] * 3, [2.0] * 3]), ([1], [[3.0] * 3])):
+        p = _params(torch.float64)[0]
+        opt = spec.make([p], cid)
+        for _ in range(3):
+            opt.apply_gradients([(_sparse(indices, torch.tensor(values, dtype=torch.float64), (4, 3)), p)])
+        results.append((p.detach(), opt))
+    (summed, o1), (single, o2) = results
+    if spec.sums_duplicates:
+        _assert_bitwise([summed], [single])
+        _assert_bitwise(_state_tensors(o1), _state_tensors(o2))
+    else:
+        # GradientDescent scatter-adds duplicates one after another, like TF.
+        lr = torch.tensor(spec.configs[cid]["learning_rate"], dtype=torch.float32).double()
+        expected = _params(torch.float64)[0].detach().clone()
+        for _ in range(3):
+            expected[1] = (expected[1] + (-1.0 * lr)) + (-2.0 * lr)
+        _assert_bitwise([summed], [expected])
+
+
+def test_sparse_gradient_from_embedding_backward():
+    """nn.Embedding(sparse=True) gives an uncoalesced gradient; step() takes it as TF takes IndexedSlices."""
+    torch.manual_seed(0)
+    emb = torch.nn.Embedding(6, 3, sparse=True)
+    twin = torch.nn.Parameter(emb.weight.detach().clone())
+    opt = tgo.AdagradOptimizer(emb.parameters(), learning_rate=0.1)
+    twin_opt = tgo.AdagradOptimizer([twin], learning_rate=0.1)
+    ids = torch.tensor([4, 1, 4, 4])
+    emb(ids).pow(2).sum().backward()
+    assert emb.weight.grad.is_sparse and not emb.weight.grad.is_coalesced()
+    twin_opt.apply_gradients([(emb.weight.grad.coalesce(), twin)])
+    opt.step()
+    _assert_bitwise([emb.weight.detach()], [twin.detach()])
+
+
+# ---------------------------------------------------------------- learning rates and groups
+@pytest.mark.parametrize(("spec", "cid"), DEFAULT_CONFIGS, ids=DEFAULT_IDS)
+def test_tensor_and_callable_learning_rates_match_float(spec: OptimSpec, cid: str):
+    lr = spec.configs[cid].get("learning_rate", 0.001)
+    finals = []
+    for value in (lr, torch.tensor(lr), lambda: lr):
+        params = _params()
+        opt = _run_apply(spec, cid, params, 3, learning_rate=value)
+        finals.append(params)
+    _assert_bitwise(finals[0], finals[1])
+    _assert_bitwise(finals[0], finals[2])
+
+
+def test_callable_learning_rate_is_evaluated_at_every_apply_and_checked():
+    p = torch.zeros(2, requires_grad=True)
+    rates = iter([0.5, 0.25, math.nan])
+    opt = tgo.GradientDescentOptimizer([p], learning_rate=lambda: next(rates))
+    opt.apply_gradients([(torch.ones(2), p)])
+    opt.apply_gradients([(torch.ones(2), p)])
+    assert p.detach().tolist() == [-0.75, -0.75]
+    with pytest.raises(ValueError, match="learning_rate.*nan"):
+        opt.apply_gradients([(torch.ones(2), p)])
+
+
+def test_lr_scheduler_drives_group_lr():
+    p = torch.zeros(1, requires_grad=True)
+    opt = tgo.GradientDescentOptimizer([p], learning_rate=1.0)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
+    for _ in range(3):
+        p.grad = torch.ones(1)
+        opt.step()
+        sched.step()
+    assert p.item() == -(1.0 + 0.5 + 0.25)
+
+
+@pytest.mark.parametrize(("spec", "cid"), DEFAULT_CONFIGS, ids=DEFAULT_IDS)
+def test_per_group_learning_rate_is_honoured(spec: OptimSpec, cid: str):
+    if spec.zero_grad_moves:
+        pytest.skip("the variable is a closed form of the accumulators: a tiny lr does not freeze it")
+    params = _params()
+    frozen_before = params[1].detach().clone()
+    moving_before = params[0].detach().clone()
+    opt = spec.make([{"params": params[:1]}, {"params": params[1:], "lr": 1e-28}], cid)
+    for step in range(5):
+        opt.apply_gradients(zip(_grads(params, step), params))
+    assert torch.equal(params[1].detach(), frozen_before)
+    assert not torch.equal(params[0].detach(), moving_before)
+
+
+def test_add_param_group_keeps_slots_and_initialises_new_ones():
+    params = _params()
+    opt = tgo.AdagradOptimizer(params[:1], learning_rate=0.1, initial_accumulator_value=0.3)
+    opt.apply_gradients([(_grads(params, 0)[0], params[0])])
+    accum = opt.get_slot(params[0], "accumulator").clone()
+    opt.add_param_group({"params": params[1:]})
+    opt.apply_gradients([(_grads(params, 1)[1], params[1])])
+    assert torch.equal(opt.get_slot(params[0], "accumulator"), accum)
+    g = _grads(params, 1)[1]
+    assert torch.allclose(opt.get_slot(params[1], "accumulator"), 0.3 + g * g)
+
+
+# ---------------------------------------------------------------- no-ops and zero gradients
+@pytest.mark.parametrize(("spec", "cid"), DEFAULT_CONFIGS, ids=DEFAULT_IDS)
+def test_step_without_gradients_does_nothing(spec: OptimSpec, cid: str):
+    params = _params()
+    before = [p.detach().clone() for p in params]
+    opt = spec.make(params, cid)
+    non_slot = copy.deepcopy(opt.state_dict()["non_slot_state"])
+    opt.step()
+    _assert_bitwise([p.detach() for p in params], before)
+    assert not opt.state
+    for a, b in zip(opt.state_dict()["non_slot_state"], non_slot, strict=True):
+        _assert_bitwise(sorted(a.items()), sorted(b.items()))
+
+
+@pytest.mark.parametrize(("spec", "cid"), DEFAULT_CONFIGS, ids=DEFAULT_IDS)
+def test_zero_gradients(spec: OptimSpec, cid: str):
+    params = _params()
+    before = [p.detach().clone() for p in params]
+    opt = spec.make(params, cid)
+    opt.apply_gradients([(torch.zeros_like(p), p) for p in params])
+    if spec.zero_grad_moves:
+        # TF recomputes the variable from its accumulators, which are still at rest: it becomes 0.
+        assert all(torch.equal(p.detach(), torch.zeros_like(p)) for p in params)
+    else:
+        _assert_bitwise([p.detach() for p in params], before)
+
+
+# ---------------------------------------------------------------- direction
+def _rosenbrock(xy):
+    x, y = xy[0], xy[1]
+    return (1 - x) ** 2 + 100 * (y - x * x) ** 2
+
+
+@pytest.mark.parametrize(("spec", "cid"), SPEC_CONFIGS, ids=SPEC_IDS)
+@pytest.mark.parametrize("problem", ["quadratic", "rosenbrock"])
+def test_loss_goes_down(spec: OptimSpec, cid: str, problem: str):
+    if problem == "quadratic":
+        params = _params(torch.float64)
+        loss_fn = lambda: _quadratic(params)  # noqa: E731
+        opt = spec.make(params, cid)
+    else:
+        xy = torch.tensor([-1.5, 2.0], dtype=torch.float64, requires_grad=True)
+        loss_fn = lambda: _rosenbrock(xy)  # noqa: E731
+        opt = spec.make([xy], cid, learning_rate=1e-3)
+    first = loss_fn().item()
+    for _ in range(100):
+        opt.minimize(loss_fn)
+    last = loss_fn().item()
+    assert last < first, (first, last)
+
+
+# ---------------------------------------------------------------- low precision
+# Half-precision runs are compared with the same run in float64. TF computes in the
+# variable's dtype, so the error grows with the unit roundoff u of the dtype: the
+# tolerance is 40·u relative (float16 u = 2^-11, bfloat16 u = 2^-8) after 5 steps,
+# plus the same as an absolute floor. Measured worst cases are in the README.
+HALF_TOL = {torch.float16: 40 * 2.0**-11, torch.bfloat16: 40 * 2.0**-8}
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
+@pytest.mark.parametrize(("spec", "cid"), SPEC_CONFIGS, ids=SPEC_IDS)
+def test_half_precision_tracks_float64(spec: OptimSpec, cid: str, dtype):
+    ref_params = _params(torch.float64)
+    half_params = [p.detach().to(dtype).requires_grad_() for p in ref_params]
+    ref_params = [p.detach().to(dtype).double().requires_grad_() for p in ref_params]  # same start
+    ref = spec.make(ref_params, cid)
+    half = spec.make(half_params, cid)
+    for step in range(5):
+        grads = [g.to(dtype) for g in _grads(ref_params, step)]
+        ref.apply_gradients(zip([g.double() for g in grads], ref_params))
+        half.apply_gradients(zip(grads, half_params))
+    tol = HALF_TOL[dtype]
+    for h, r in zip(half_params, ref_params, strict=True):
+        assert h.dtype == dtype
+        torch.testing.assert_close(h.detach().double(), r.detach(), rtol=tol, atol=tol)
+    for name in spec.slots_for(cid):
+        assert half.get_slot(half_params[0], name).dtype == dtype
+
+
+# ---------------------------------------------------------------- torch conventions
+def test_step_closure_hooks_repr_and_deepcopy():
+    params = _params()
+    opt = tgo.AdamOptimizer(params, learning_rate=0.1)
+    calls = []
+    opt.register_step_pre_hook(lambda o, a, k: calls.append("pre"))
+    handle = opt.register_step_post_hook(lambda o, a, k: calls.append("post"))
+
+    def closure():
+        opt.zero_grad()
+        loss = _quadratic(params)
+        loss.backward()
+        return loss
+
+    loss = opt.step(closure)
+    assert isinstance(loss, torch.Tensor) and calls == ["pre", "post"]
+    handle.remove()
+    opt.step(closure)
+    assert calls == ["pre", "post", "pre"]
+    assert "AdamOptimizer" in repr(opt)
+    clone = copy.deepcopy(opt)
+    assert clone.state_dict()["non_slot_state"][0]["beta1_power"].item() == pytest.approx(0.9**3)
+
+
+def test_global_step_is_incremented_in_place():
+    params = _params()
+    opt = tgo.GradientDescentOptimizer(params, learning_rate=0.1)
+    gs = torch.tensor(5, dtype=torch.int64)
+    opt.apply_gradients(zip(_grads(params, 0), params), global_step=gs)
+    opt.minimize(lambda: _quadratic(params), global_step=gs)
+    assert gs.item() == 7
+
+
+def test_compute_gradients_defaults_and_unconnected_vars():
+    params = _params()
+    extra = torch.zeros(2, requires_grad=True)
+    opt = tgo.GradientDescentOptimizer([*params, extra], learning_rate=0.1)
+    pairs = opt.compute_gradients(lambda: _quadratic(params))
+    assert [v for _, v in pairs] == [*params, extra]
+    assert pairs[2][0] is None
+    assert all(p.grad is None for p in params)  # nothing accumulated into .grad
+    with pytest.raises(ValueError, match="No gradients provided"):
+        opt.minimize(lambda: (extra * 0).sum().detach(), var_list=[extra])
+    with pytest.raises(ValueError, match="var_list"):
+        opt.compute_gradients(_quadratic(params), var_list=[torch.zeros(2)])

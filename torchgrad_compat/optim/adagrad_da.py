@@ -1,0 +1,230 @@
+"""``tf.compat.v1.train.AdagradDAOptimizer`` as a torch optimizer."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from ._base import Hyper, HyperScalars, Optimizer, _check_global_step
+from .adagrad import constant_slot
+
+__all__ = ["AdagradDAOptimizer", "adagrad_da"]
+
+
+class AdagradDAOptimizer(Optimizer):
+    r"""Adagrad dual averaging, exactly as TensorFlow v1's ``AdagradDAOptimizer``.
+
+    With :math:`\eta` = ``learning_rate``, :math:`\lambda_1` =
+    ``l1_regularization_strength``, :math:`\lambda_2` =
+    ``l2_regularization_strength`` and :math:`T` = ``global_step + 1`` (read
+    before this apply increments it), the accumulators :math:`a` (of gradients)
+    and :math:`s` (of squared gradients) are updated and the parameter is
+    *recomputed* from them:
+
+    .. math::
+        a &\leftarrow a + g \\
+        s &\leftarrow s + g^2 \\
+        \theta &\leftarrow -\eta\,\operatorname{sign}(a)\max(|a| - T\lambda_1, 0)
+            \,/\, (\lambda_2 (T\eta) + \sqrt{s})
+
+    so the parameter's previous value is never read, and a zero gradient still
+    moves it as :math:`T` grows.
+
+    Slots: ``gradient_accumulator`` (0) and ``gradient_squared_accumulator``
+    (``initial_gradient_squared_accumulator_value``, made directly in the
+    parameter dtype); torch has no counterpart.
+
+    The step :math:`T`: when ``global_step`` is a 0-d integer tensor, it is read
+    at every apply, as in TF, and advances only when it is incremented (by
+    ``apply_gradients(..., global_step=global_step)`` or by the caller). When
+    ``global_step`` is None, the optimizer keeps its own int64 counter
+    (non-slot state ``global_step``, one per param group, starting at 0,
+    advanced once per ``step``/``apply_gradients`` call and saved in
+    ``state_dict()["non_slot_state"]``), so :math:`T = 1, 2, 3, \dots` as in TF
+    with the global step passed to ``apply_gradients``.
+
+    Sparse gradients (row-sparse COO) are lazy, as in TF: duplicate rows are
+    summed, then only the given rows are accumulated and recomputed; the other
+    rows keep their value although :math:`T` advanced. TF's sparse kernel
+    evaluates the same quantity as
+    :math:`-\operatorname{sign}(a)\max(|a|/T - \lambda_1, 0) / (\lambda_2 + \sqrt{s}/(T\eta))`,
+    which is reproduced; its kernel for 1-D variables instead computes in
+    float64, so 1-D sparse results agree with TF to a few ulp.
+
+    Differences from TF:
+        1. ``global_step`` may be omitted (TF requires it); see above.
+        2. Every dtype runs (TF's CPU kernels are float32 and float64 only).
+
+    ``use_locking`` and ``name`` are not reproduced.
+
+    Args:
+        params: tensors or param-group dicts.
+        learning_rate: ``>= 0``; a number, a 0-d tensor or a callable.
+        global_step: None, or a 0-d integer tensor holding the number of
+            completed steps.
+        initial_gradient_squared_accumulator_value: ``> 0``; the squared
+            accumulator's starting value.
+        l1_regularization_strength: ``>= 0``.
+        l2_regularization_strength: ``>= 0``.
+        foreach: use the multi-tensor path; None picks it where torch would.
+
+    Raises:
+        ValueError: a hyperparameter is out of range, NaN or infinite.
+        TypeError: a hyperparameter is not a number, 0-d tensor or callable,
+            or ``global_step`` is not None or a 0-d integer tensor.
+
+    Example:
+        >>> w = torch.nn.Parameter(torch.tensor([1.0, -1.0], dtype=torch.float64))
+        >>> opt = AdagradDAOptimizer([w], learning_rate=0.5, initial_gradient_squared_accumulator_value=12.0)
+        >>> opt.minimize(lambda: (w * w).sum())
+        >>> w.detach()
+        tensor([-0.2500,  0.2500], dtype=torch.float64)
+    """
+
+    _hypers = (
+        Hyper("lr", "learning_rate", 0.0),
+        Hyper(
+            "initial_gradient_squared_accumulator_value",
+            "initial_gradient_squared_accumulator_value",
+            0.0,
+            low_inclusive=False,
+        ),
+        Hyper("l1", "l1_regularization_strength", 0.0),
+        Hyper("l2", "l2_regularization_strength", 0.0),
+    )
+    _slots = ("gradient_accumulator", "gradient_squared_accumulator")
+
+    def __init__(
+        self,
+        params: Iterable[Tensor] | Iterable[dict[str, Any]],
+        learning_rate: float | Tensor | Any,
+        global_step: Tensor | None = None,
+        initial_gradient_squared_accumulator_value: float = 0.1,
+        l1_regularization_strength: float | Tensor | Any = 0.0,
+        l2_regularization_strength: float | Tensor | Any = 0.0,
+        *,
+        foreach: bool | None = None,
+    ):
+        if global_step is not None:
+            _check_global_step(global_step)
+        # Set before the base class adds the param groups: _init_non_slot reads it.
+        self._global_step = global_step
+        defaults = {
+            "lr": learning_rate,
+            "initial_gradient_squared_accumulator_value": initial_gradient_squared_accumulator_value,
+            "l1": l1_regularization_strength,
+            "l2": l2_regularization_strength,
+            "foreach": foreach,
+        }
+        super().__init__(params, defaults)
+
+    def _init_slots(self, group, p):
+        return {
+            "gradient_accumulator": torch.zeros_like(p, memory_format=torch.preserve_format),
+            "gradient_squared_accumulator": constant_slot(
+                p, group["initial_gradient_squared_accumulator_value"]
+            ),
+        }
+
+    def _init_non_slot(self, group, device):
+        if self._global_step is not None:
+            return {}
+        return {"global_step": torch.zeros((), dtype=torch.int64, device=device)}
+
+    def _step_index(self, non_slot: dict[str, Tensor], device: torch.device) -> Tensor:
+        """T = global_step + 1, an int64 0-d tensor on ``device``."""
+        global_step = self._global_step if self._global_step is not None else non_slot["global_step"]
+        return global_step.to(device=device, dtype=torch.int64) + 1
+
+    def _apply_dense(self, group, params, grads, slots, non_slot, hyper):
+        # TF's dense kernel converts T to float32 before casting it to the
+        # parameter dtype.
+        t = hyper.tensor(self._step_index(non_slot, hyper.device))
+        adagrad_da(
+            params,
+            grads,
+            [s["gradient_accumulator"] for s in slots],
+            [s["gradient_squared_accumulator"] for s in slots],
+            neg_lr=-hyper.lr,
+            t_l1=t * hyper.l1,
+            l2_t_lr=hyper.l2 * (t * hyper.lr),
+            foreach=self._use_foreach(group, params),
+        )
+
+    def _apply_sparse(self, group, p, indices, values, slots, non_slot, hyper):
+        # TF's sparse kernel converts T straight to the parameter dtype.
+        t = self._step_index(non_slot, hyper.device).to(hyper.dtype)
+        _sparse_adagrad_da(
+            p,
+            indices,
+            values,
+            slots["gradient_accumulator"],
+            slots["gradient_squared_accumulator"],
+            t=t,
+            t_lr=t * hyper.lr,
+            hyper=hyper,
+        )
+
+    def _finish(self, group, non_slot, values):
+        if self._global_step is None:
+            non_slot["global_step"] = non_slot["global_step"] + 1
+
+
+def adagrad_da(
+    params: list[Tensor],
+    grads: list[Tensor],
+    grad_accums: list[Tensor],
+    squared_accums: list[Tensor],
+    *,
+    neg_lr: Tensor,
+    t_l1: Tensor,
+    l2_t_lr: Tensor,
+    foreach: bool,
+) -> None:
+    """Functional form of :class:`AdagradDAOptimizer`'s dense update.
+
+    ``neg_lr`` = -η, ``t_l1`` = T·λ₁ and ``l2_t_lr`` = λ₂·(T·η), each rounded in
+    the params' dtype.
+    """
+    impl = _multi_tensor_adagrad_da if foreach else _single_tensor_adagrad_da
+    impl(params, grads, grad_accums, squared_accums, neg_lr=neg_lr, t_l1=t_l1, l2_t_lr=l2_t_lr)
+
+
+def _single_tensor_adagrad_da(params, grads, grad_accums, squared_accums, *, neg_lr, t_l1, l2_t_lr):
+    # TF branches on λ₁ > 0; with λ₁ = 0 the λ₁ form below gives the same bits
+    # (-η·sign(a)·|a| = -(η·a), rounded once), so one form serves both.
+    for p, g, a, s in zip(params, grads, grad_accums, squared_accums, strict=True):
+        a.add_(g)  # 1. a = a + g
+        s.add_(g * g)  # 2. s = s + g²
+        shrunk = (a.abs() - t_l1).clamp_min_(0)  # 3. max(|a| - Tλ₁, 0)
+        p.copy_((a.sign() * neg_lr).mul_(shrunk).div_(s.sqrt().add_(l2_t_lr)))  # 4. θ = -η·sign(a)·… / (…)
+
+
+def _multi_tensor_adagrad_da(params, grads, grad_accums, squared_accums, *, neg_lr, t_l1, l2_t_lr):
+    torch._foreach_add_(grad_accums, grads)
+    torch._foreach_add_(squared_accums, torch._foreach_mul(grads, grads))
+    shrunk = torch._foreach_abs(grad_accums)
+    torch._foreach_sub_(shrunk, t_l1)
+    torch._foreach_clamp_min_(shrunk, 0)
+    new = torch._foreach_sign(grad_accums)
+    torch._foreach_mul_(new, neg_lr)
+    torch._foreach_mul_(new, shrunk)
+    denom = torch._foreach_sqrt(squared_accums)
+    torch._foreach_add_(denom, l2_t_lr)
+    torch._foreach_div_(new, denom)
+    torch._foreach_copy_(params, new)
+
+
+def _sparse_adagrad_da(p, indices, values, grad_accum, squared_accum, *, t, t_lr, hyper: HyperScalars):
+    # TF's SparseApplyAdagradDA: only the given rows (unique after coalescing),
+    # with the quantity rearranged as -sign(a)·max(|a|/T - λ₁, 0) / (λ₂ + √s/(Tη)).
+    a = grad_accum.index_select(0, indices).add_(values)
+    s = squared_accum.index_select(0, indices).add_(values * values)
+    grad_accum.index_copy_(0, indices, a)
+    squared_accum.index_copy_(0, indices, s)
+    shrunk = (a.abs().div_(t)).sub_(hyper.l1).clamp_min_(0)
+    rows = a.sign().neg_().mul_(shrunk).div_(s.sqrt().div_(t_lr).add_(hyper.l2))
+    p.index_copy_(0, indices, rows)

@@ -1,0 +1,324 @@
+"""``tf.compat.v1.train.FtrlOptimizer`` as a torch optimizer."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from ._base import Hyper, HyperScalars, Optimizer
+
+__all__ = ["FtrlOptimizer", "ftrl"]
+
+
+class FtrlOptimizer(Optimizer):
+    r"""FTRL-Proximal, exactly as TensorFlow v1's ``FtrlOptimizer``.
+
+    With :math:`\eta` = ``learning_rate``, :math:`p` = ``learning_rate_power``,
+    :math:`\lambda_1` = ``l1_regularization_strength``, :math:`\lambda_s` =
+    ``l2_shrinkage_regularization_strength``, ``a`` the ``accum`` slot, ``l``
+    the ``linear`` slot and TF's effective L2 strength
+    :math:`\lambda_2 = l_2 + \beta / (2\max(\eta, 10^{-36}))` (``l2_regularization_strength``
+    and ``beta``, evaluated in float32):
+
+    .. math::
+        n &= a + g^2 \\
+        \hat g &= g \quad\text{or, when } \lambda_s > 0,\quad \hat g = g + 2\lambda_s\theta \\
+        \sigma &= (n^{-p} - a^{-p}) / \eta \\
+        l &\leftarrow l + (\hat g - \sigma\theta) \\
+        \theta &\leftarrow \begin{cases}
+            (\lambda_1\operatorname{sign}(l) - l) / (n^{-p}/\eta + 2\lambda_2) & |l| > \lambda_1 \\
+            0 & \text{otherwise}
+        \end{cases} \\
+        a &\leftarrow n
+
+    :math:`\theta` on the right is the value before the step. :math:`x^{-p}` is
+    ``sqrt(x)`` when ``learning_rate_power == -0.5`` (TF's special case) and
+    ``pow(x, -p)`` otherwise; ``learning_rate_power=0`` is a fixed learning rate.
+    ``accum`` is always updated with the raw :math:`g^2` (TF's ``ApplyFtrlV2``
+    since the fix of tensorflow#18317).
+
+    The parameter is a closed form of the accumulators: a step with a zero
+    gradient still moves a parameter whose value is not that closed form (for
+    example its initial value), as in TensorFlow.
+
+    Slots: ``accum`` (``initial_accumulator_value``) and ``linear`` (0).
+    ``torch.optim`` has no FTRL.
+
+    Sparse gradients (row-sparse COO) follow TF's sparse rule, which is lazy:
+    duplicate rows are summed, then only the given rows change, by the same
+    formula except in two details of TF's sparse kernel: the new parameter is
+    :math:`(\operatorname{clip}(l, -\lambda_1, \lambda_1) - l) / (n^{-p}/\eta + 2\lambda_2)`
+    (the same value), and when a row holds a single element (a 1-D parameter)
+    the linear slot is summed as :math:`(l + \hat g) - \sigma\theta`.
+
+    Differences from TensorFlow:
+        1. ``learning_rate`` must be ``> 0`` (TF's constructor accepts 0, but
+           the dense kernel then divides by zero and the sparse kernel
+           rejects it).
+        2. For ``learning_rate_power != -0.5`` the power is ``torch.pow``
+           where TF uses Eigen's ``pow``: not bit-identical (about 1e-7
+           relative in float32); TF's sparse kernel on 1-element rows calls
+           ``pow(x, 0.5)`` where this uses ``sqrt``.
+        3. ``accum_name``, ``linear_name``, ``use_locking`` and ``name`` are not
+           reproduced.
+
+    Args:
+        params: tensors or param-group dicts.
+        learning_rate: ``> 0``; a number, a 0-d tensor or a callable.
+        learning_rate_power: ``<= 0``.
+        initial_accumulator_value: ``>= 0``; the starting value of ``accum``.
+        l1_regularization_strength: ``>= 0``.
+        l2_regularization_strength: ``>= 0``.
+        l2_shrinkage_regularization_strength: ``>= 0``; when ``> 0`` the
+            gradient in ``linear`` is :math:`g + 2\lambda_s\theta`.
+        beta: ``>= 0`` or None (0); adds :math:`\beta/(2\eta)` to the L2 strength.
+        foreach: use the multi-tensor path; None picks it where torch would.
+
+    Raises:
+        ValueError: a hyperparameter is out of range, NaN or infinite.
+        TypeError: a hyperparameter is not a number, 0-d tensor or callable.
+
+    Example:
+        >>> w = torch.nn.Parameter(torch.tensor([1.0, -1.0]))
+        >>> opt = FtrlOptimizer([w], learning_rate=0.1)
+        >>> opt.minimize(lambda: (w * w).sum())
+        >>> w.detach()
+        tensor([ 0.7725, -0.7725])
+    """
+
+    _hypers = (
+        Hyper("lr", "learning_rate", 0.0, low_inclusive=False),
+        Hyper(
+            "learning_rate_power",
+            "learning_rate_power",
+            -math.inf,
+            0.0,
+            low_inclusive=False,
+            high_inclusive=True,
+        ),
+        Hyper("initial_accumulator_value", "initial_accumulator_value", 0.0),
+        Hyper("l1_regularization_strength", "l1_regularization_strength", 0.0),
+        Hyper("l2_regularization_strength", "l2_regularization_strength", 0.0),
+        Hyper("l2_shrinkage_regularization_strength", "l2_shrinkage_regularization_strength", 0.0),
+        Hyper("beta", "beta", 0.0),
+    )
+    _slots = ("accum", "linear")
+
+    def __init__(
+        self,
+        params: Iterable[Tensor] | Iterable[dict[str, Any]],
+        learning_rate: float | Tensor | Any,
+        learning_rate_power: float | Tensor | Any = -0.5,
+        initial_accumulator_value: float | Tensor | Any = 0.1,
+        l1_regularization_strength: float | Tensor | Any = 0.0,
+        l2_regularization_strength: float | Tensor | Any = 0.0,
+        l2_shrinkage_regularization_strength: float | Tensor | Any = 0.0,
+        beta: float | Tensor | Any | None = None,
+        *,
+        foreach: bool | None = None,
+    ):
+        defaults = {
+            "lr": learning_rate,
+            "learning_rate_power": learning_rate_power,
+            "initial_accumulator_value": initial_accumulator_value,
+            "l1_regularization_strength": l1_regularization_strength,
+            "l2_regularization_strength": l2_regularization_strength,
+            "l2_shrinkage_regularization_strength": l2_shrinkage_regularization_strength,
+            "beta": 0.0 if beta is None else beta,
+            "foreach": foreach,
+        }
+        super().__init__(params, defaults)
+
+    def _init_slots(self, group, p):
+        value = group["initial_accumulator_value"]
+        value = value() if callable(value) and not isinstance(value, Tensor) else value
+        # TF's ``ones * initial_accumulator_value``: the value is converted to the
+        # parameter dtype directly, not through float32.
+        return {
+            "accum": torch.ones_like(p, memory_format=torch.preserve_format).mul_(value),
+            "linear": torch.zeros_like(p, memory_format=torch.preserve_format),
+        }
+
+    def _apply_dense(self, group, params, grads, slots, non_slot, hyper):
+        ftrl(
+            params,
+            grads,
+            [s["accum"] for s in slots],
+            [s["linear"] for s in slots],
+            **_scalars(hyper),
+            foreach=self._use_foreach(group, params),
+        )
+
+    def _apply_sparse(self, group, p, indices, values, slots, non_slot, hyper):
+        _sparse_ftrl(p, indices, values, slots["accum"], slots["linear"], **_scalars(hyper))
+
+
+def _scalars(hyper: HyperScalars) -> dict[str, Tensor | None]:
+    """The kernel's scalars in the parameter dtype; None selects TF's plain (V1, sqrt) branches."""
+    two = hyper.tensor(2.0)
+    # TF branches in Python on the raw values: ApplyFtrlV2 when l2_shrinkage > 0,
+    # and the kernels special-case lr_power == -0.5 as sqrt.
+    shrinkage = hyper.value("l2_shrinkage_regularization_strength") > 0
+    sqrt_power = hyper.value("learning_rate_power") == -0.5
+    return {
+        "lr": hyper.lr,
+        "l1": hyper.l1_regularization_strength,
+        "two_l2": two * _adjusted_l2(hyper),
+        "two_l2_shrinkage": two * hyper.l2_shrinkage_regularization_strength if shrinkage else None,
+        "neg_lr_power": None if sqrt_power else -hyper.learning_rate_power,
+    }
+
+
+def _adjusted_l2(hyper: HyperScalars) -> Tensor:
+    """TF's effective L2, ``l2 + beta / (2 * max(lr, 1e-36))``, in float32, then in the parameter dtype."""
+
+    def f32(name: str) -> Tensor:
+        return torch.as_tensor(hyper.value(name), dtype=torch.float32, device=hyper.device)
+
+    lr = torch.clamp_min(f32("lr"), 1e-36)
+    return (f32("l2_regularization_strength") + f32("beta") / (2.0 * lr)).to(hyper.dtype)
+
+
+def _power(x: Tensor, neg_lr_power: Tensor | None) -> Tensor:
+    """``x ** -lr_power``; TF computes the default ``lr_power = -0.5`` as ``sqrt``."""
+    return x.sqrt() if neg_lr_power is None else torch.pow(x, neg_lr_power)
+
+
+def _foreach_power(xs: list[Tensor], neg_lr_power: Tensor | None) -> list[Tensor]:
+    if neg_lr_power is None:
+        return torch._foreach_sqrt(xs)
+    # A list of exponents keeps torch.pow(Tensor, Tensor); a single 0-d tensor
+    # would become a Python scalar, whose kernel special-cases some exponents.
+    return torch._foreach_pow(xs, [neg_lr_power] * len(xs))
+
+
+def ftrl(
+    params: list[Tensor],
+    grads: list[Tensor],
+    accums: list[Tensor],
+    linears: list[Tensor],
+    *,
+    lr: Tensor,
+    l1: Tensor,
+    two_l2: Tensor,
+    two_l2_shrinkage: Tensor | None,
+    neg_lr_power: Tensor | None,
+    foreach: bool,
+) -> None:
+    """Functional form of :class:`FtrlOptimizer`'s dense update.
+
+    ``two_l2`` is twice the effective L2 strength; ``two_l2_shrinkage`` is None
+    for TF's ``ApplyFtrl`` (no shrinkage); ``neg_lr_power`` is None for
+    ``learning_rate_power == -0.5`` (square roots).
+    """
+    impl = _multi_tensor_ftrl if foreach else _single_tensor_ftrl
+    impl(
+        params,
+        grads,
+        accums,
+        linears,
+        lr=lr,
+        l1=l1,
+        two_l2=two_l2,
+        two_l2_shrinkage=two_l2_shrinkage,
+        neg_lr_power=neg_lr_power,
+    )
+
+
+def _single_tensor_ftrl(
+    params: list[Tensor],
+    grads: list[Tensor],
+    accums: list[Tensor],
+    linears: list[Tensor],
+    *,
+    lr: Tensor,
+    l1: Tensor,
+    two_l2: Tensor,
+    two_l2_shrinkage: Tensor | None,
+    neg_lr_power: Tensor | None,
+) -> None:
+    for p, g, a, lin in zip(params, grads, accums, linears, strict=True):
+        new_a = a + g * g  # 1. n = a + g²
+        g_hat = g if two_l2_shrinkage is None else g + two_l2_shrinkage * p  # 2. ĝ = g + 2λₛθ
+        root = _power(new_a, neg_lr_power)
+        sigma = (root - _power(a, neg_lr_power)).div_(lr)  # 3. σ = (n⁻ᵖ - a⁻ᵖ)/η
+        lin.add_(g_hat - sigma.mul_(p))  # 4. l = l + (ĝ - σθ)
+        x = torch.sign(lin).mul_(l1).sub_(lin)  # 5. x = λ₁ sign(l) - l
+        y = root.div_(lr).add_(two_l2)  # 6. y = n⁻ᵖ/η + 2λ₂
+        p.copy_(torch.where(lin.abs() > l1, x.div_(y), 0.0))  # 7. θ = x/y where |l| > λ₁, else 0
+        a.copy_(new_a)  # 8. a = n
+
+
+def _multi_tensor_ftrl(
+    params: list[Tensor],
+    grads: list[Tensor],
+    accums: list[Tensor],
+    linears: list[Tensor],
+    *,
+    lr: Tensor,
+    l1: Tensor,
+    two_l2: Tensor,
+    two_l2_shrinkage: Tensor | None,
+    neg_lr_power: Tensor | None,
+) -> None:
+    # n, n⁻ᵖ and at most two lists of temporaries are alive at a time.
+    new_as = torch._foreach_mul(grads, grads)
+    torch._foreach_add_(new_as, accums)
+    if two_l2_shrinkage is None:
+        g_hat = grads
+    else:
+        g_hat = torch._foreach_mul(params, two_l2_shrinkage)
+        torch._foreach_add_(g_hat, grads)
+    roots = _foreach_power(new_as, neg_lr_power)
+    sigma = torch._foreach_sub(roots, _foreach_power(accums, neg_lr_power))
+    torch._foreach_div_(sigma, lr)
+    torch._foreach_mul_(sigma, params)
+    tmp = torch._foreach_sub(g_hat, sigma)
+    torch._foreach_add_(linears, tmp)
+    x = torch._foreach_sign(linears)
+    torch._foreach_mul_(x, l1)
+    torch._foreach_sub_(x, linears)
+    torch._foreach_div_(roots, lr)
+    torch._foreach_add_(roots, two_l2)
+    torch._foreach_div_(x, roots)
+    # There is no foreach select: the dead zone is applied tensor by tensor.
+    for p, lin, x_p in zip(params, linears, x, strict=True):
+        p.copy_(torch.where(lin.abs() > l1, x_p, 0.0))
+    torch._foreach_copy_(accums, new_as)
+
+
+def _sparse_ftrl(
+    p: Tensor,
+    indices: Tensor,
+    values: Tensor,
+    accum: Tensor,
+    linear: Tensor,
+    *,
+    lr: Tensor,
+    l1: Tensor,
+    two_l2: Tensor,
+    two_l2_shrinkage: Tensor | None,
+    neg_lr_power: Tensor | None,
+) -> None:
+    # TF's SparseApplyFtrl(V2) on the given (unique) rows.
+    theta = p.index_select(0, indices)
+    a = accum.index_select(0, indices)
+    lin = linear.index_select(0, indices)
+    new_a = a + values * values
+    g_hat = values if two_l2_shrinkage is None else values + two_l2_shrinkage * theta
+    root = _power(new_a, neg_lr_power)
+    sigma_theta = (root - _power(a, neg_lr_power)).div_(lr).mul_(theta)
+    if math.prod(p.shape[1:]) == 1:
+        # TF's kernel for one element per row is scalar C++: (l + ĝ) - σθ.
+        lin = (lin + g_hat).sub_(sigma_theta)
+    else:
+        lin = lin + (g_hat - sigma_theta)
+    x = torch.clamp(lin, -l1, l1).sub_(lin)
+    y = root.div_(lr).add_(two_l2)
+    p.index_copy_(0, indices, x.div_(y))
+    accum.index_copy_(0, indices, new_a)
+    linear.index_copy_(0, indices, lin)
