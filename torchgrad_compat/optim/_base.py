@@ -181,6 +181,8 @@ class Optimizer(torch.optim.Optimizer):
     _slots: ClassVar[tuple[str, ...]] = ()
     # TF sums duplicate sparse indices before the update; GradientDescent does not.
     _coalesce_sparse: ClassVar[bool] = True
+    # Instance attributes kept by pickling and deepcopy, beyond torch's three.
+    _pickled_attributes: ClassVar[tuple[str, ...]] = ("_non_slot",)
 
     def __init__(self, params: Iterable[Tensor] | Iterable[dict[str, Any]], defaults: dict[str, Any]):
         if isinstance(params, Tensor):
@@ -193,8 +195,9 @@ class Optimizer(torch.optim.Optimizer):
         super().__init__(params, defaults)
 
     def __getstate__(self) -> dict[str, Any]:
-        # torch pickles only defaults, state and param_groups; non-slot state travels too.
-        return {**super().__getstate__(), "_non_slot": self._non_slot}
+        # torch pickles only defaults, state and param_groups (its hooks may not
+        # pickle); non-slot state and the attributes a subclass names travel too.
+        return {**super().__getstate__(), **{name: getattr(self, name) for name in self._pickled_attributes}}
 
     # ------------------------------------------------------------------ groups
     def add_param_group(self, param_group: dict[str, Any]) -> None:

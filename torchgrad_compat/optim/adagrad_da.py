@@ -8,7 +8,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from ._base import Hyper, HyperScalars, Optimizer, _check_global_step
+from ._base import Hyper, Optimizer, _check_global_step
 from .adagrad import constant_slot
 
 __all__ = ["AdagradDAOptimizer", "adagrad_da"]
@@ -96,6 +96,7 @@ class AdagradDAOptimizer(Optimizer):
         Hyper("l2", "l2_regularization_strength", 0.0),
     )
     _slots = ("gradient_accumulator", "gradient_squared_accumulator")
+    _pickled_attributes = (*Optimizer._pickled_attributes, "_global_step")
 
     def __init__(
         self,
@@ -141,7 +142,8 @@ class AdagradDAOptimizer(Optimizer):
 
     def _apply_dense(self, group, params, grads, slots, non_slot, hyper):
         # TF's dense kernel converts T to float32 before casting it to the
-        # parameter dtype.
+        # parameter dtype, its sparse kernel converts it directly (the two
+        # differ only past 2**24 steps).
         t = hyper.tensor(self._step_index(non_slot, hyper.device))
         adagrad_da(
             params,
@@ -155,7 +157,6 @@ class AdagradDAOptimizer(Optimizer):
         )
 
     def _apply_sparse(self, group, p, indices, values, slots, non_slot, hyper):
-        # TF's sparse kernel converts T straight to the parameter dtype.
         t = self._step_index(non_slot, hyper.device).to(hyper.dtype)
         _sparse_adagrad_da(
             p,
@@ -165,7 +166,8 @@ class AdagradDAOptimizer(Optimizer):
             slots["gradient_squared_accumulator"],
             t=t,
             t_lr=t * hyper.lr,
-            hyper=hyper,
+            l1=hyper.l1,
+            l2=hyper.l2,
         )
 
     def _finish(self, group, non_slot, values):
@@ -218,13 +220,13 @@ def _multi_tensor_adagrad_da(params, grads, grad_accums, squared_accums, *, neg_
     torch._foreach_copy_(params, new)
 
 
-def _sparse_adagrad_da(p, indices, values, grad_accum, squared_accum, *, t, t_lr, hyper: HyperScalars):
+def _sparse_adagrad_da(p, indices, values, grad_accum, squared_accum, *, t, t_lr, l1, l2):
     # TF's SparseApplyAdagradDA: only the given rows (unique after coalescing),
     # with the quantity rearranged as -sign(a)·max(|a|/T - λ₁, 0) / (λ₂ + √s/(Tη)).
     a = grad_accum.index_select(0, indices).add_(values)
     s = squared_accum.index_select(0, indices).add_(values * values)
     grad_accum.index_copy_(0, indices, a)
     squared_accum.index_copy_(0, indices, s)
-    shrunk = (a.abs().div_(t)).sub_(hyper.l1).clamp_min_(0)
-    rows = a.sign().neg_().mul_(shrunk).div_(s.sqrt().div_(t_lr).add_(hyper.l2))
+    shrunk = a.abs().div_(t).sub_(l1).clamp_min_(0)
+    rows = a.sign().neg_().mul_(shrunk).div_(s.sqrt().div_(t_lr).add_(l2))
     p.index_copy_(0, indices, rows)

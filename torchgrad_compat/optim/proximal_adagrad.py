@@ -1,0 +1,175 @@
+"""``tf.compat.v1.train.ProximalAdagradOptimizer`` as a torch optimizer."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from ._base import Hyper, Optimizer
+from .adagrad import constant_slot
+
+__all__ = ["ProximalAdagradOptimizer", "proximal_adagrad"]
+
+
+class ProximalAdagradOptimizer(Optimizer):
+    r"""Proximal Adagrad (FOBOS, Adagrad step size), exactly as TF v1's ``ProximalAdagradOptimizer``.
+
+    With :math:`\eta` = ``learning_rate``, :math:`\lambda_1` =
+    ``l1_regularization_strength``, :math:`\lambda_2` =
+    ``l2_regularization_strength`` and the accumulator :math:`a` starting at
+    ``initial_accumulator_value``:
+
+    .. math::
+        a &\leftarrow a + g^2 \\
+        \eta_t &= \eta / \sqrt{a} \\
+        \theta' &= \theta - g\eta_t \\
+        \theta &\leftarrow \operatorname{sign}(\theta')\max(|\theta'| - \eta_t\lambda_1, 0)
+            \,/\, (1 + \lambda_2\eta_t)
+
+    with :math:`\eta_t` evaluated as ``η·rsqrt(a)``. L1 shrinks towards zero
+    (exactly zero inside the dead zone) and L2 divides; neither is a gradient
+    term.
+
+    Slots: ``accumulator`` (``initial_accumulator_value``, made directly in the
+    parameter dtype); torch has no counterpart.
+
+    Sparse gradients (row-sparse COO) are lazy, as in TF: duplicate rows are
+    summed, then only the given rows are accumulated, stepped and shrunk.
+
+    Numerics: TF evaluates ``rsqrt`` with Eigen's vectorised approximation (up
+    to 2 ulp from ``1/√a``, depending on the CPU); ``torch.rsqrt`` stands in the
+    same place, so results agree with TF to a few ulp, not bit for bit. TF's
+    sparse kernel for 1-D variables uses an exact ``η/√a`` and a float64
+    denominator; this optimizer uses one formula for every shape.
+
+    Differences from TF:
+        1. TF's dense path passes the float32 hyperparameters uncast, so it
+           rejects float64 variables unless they are given as float64 tensors;
+           here they are rounded to float32 and cast to the parameter dtype
+           for every dtype, as TF's sparse path does.
+        2. ``learning_rate`` may be 0 (TF's CPU kernel requires it positive).
+        3. Every dtype runs (TF's CPU kernels are float32 and float64 only).
+
+    ``use_locking`` and ``name`` are not reproduced.
+
+    Args:
+        params: tensors or param-group dicts.
+        learning_rate: ``>= 0``; a number, a 0-d tensor or a callable.
+        initial_accumulator_value: ``> 0``; the accumulator's starting value.
+        l1_regularization_strength: ``>= 0``.
+        l2_regularization_strength: ``>= 0``.
+        foreach: use the multi-tensor path; None picks it where torch would.
+
+    Raises:
+        ValueError: a hyperparameter is out of range, NaN or infinite.
+        TypeError: a hyperparameter is not a number, 0-d tensor or callable.
+
+    Example:
+        >>> w = torch.nn.Parameter(torch.tensor([1.0, -1.0], dtype=torch.float64))
+        >>> opt = ProximalAdagradOptimizer([w], learning_rate=0.5, initial_accumulator_value=12.0)
+        >>> opt.minimize(lambda: (w * w).sum())
+        >>> w.detach()
+        tensor([ 0.7500, -0.7500], dtype=torch.float64)
+    """
+
+    _hypers = (
+        Hyper("lr", "learning_rate", 0.0),
+        Hyper("initial_accumulator_value", "initial_accumulator_value", 0.0, low_inclusive=False),
+        Hyper("l1", "l1_regularization_strength", 0.0),
+        Hyper("l2", "l2_regularization_strength", 0.0),
+    )
+    _slots = ("accumulator",)
+
+    def __init__(
+        self,
+        params: Iterable[Tensor] | Iterable[dict[str, Any]],
+        learning_rate: float | Tensor | Any,
+        initial_accumulator_value: float = 0.1,
+        l1_regularization_strength: float | Tensor | Any = 0.0,
+        l2_regularization_strength: float | Tensor | Any = 0.0,
+        *,
+        foreach: bool | None = None,
+    ):
+        defaults = {
+            "lr": learning_rate,
+            "initial_accumulator_value": initial_accumulator_value,
+            "l1": l1_regularization_strength,
+            "l2": l2_regularization_strength,
+            "foreach": foreach,
+        }
+        super().__init__(params, defaults)
+
+    def _init_slots(self, group, p):
+        return {"accumulator": constant_slot(p, group["initial_accumulator_value"])}
+
+    def _apply_dense(self, group, params, grads, slots, non_slot, hyper):
+        proximal_adagrad(
+            params,
+            grads,
+            [s["accumulator"] for s in slots],
+            lr=hyper.lr,
+            l1=hyper.l1,
+            l2=hyper.l2,
+            foreach=self._use_foreach(group, params),
+        )
+
+    def _apply_sparse(self, group, p, indices, values, slots, non_slot, hyper):
+        _sparse_proximal_adagrad(
+            p, indices, values, slots["accumulator"], lr=hyper.lr, l1=hyper.l1, l2=hyper.l2
+        )
+
+
+def proximal_adagrad(
+    params: list[Tensor],
+    grads: list[Tensor],
+    accums: list[Tensor],
+    *,
+    lr: Tensor,
+    l1: Tensor,
+    l2: Tensor,
+    foreach: bool,
+) -> None:
+    """Functional form of :class:`ProximalAdagradOptimizer`'s dense update (scalars in the params' dtype)."""
+    impl = _multi_tensor_proximal_adagrad if foreach else _single_tensor_proximal_adagrad
+    impl(params, grads, accums, lr=lr, l1=l1, l2=l2)
+
+
+def _single_tensor_proximal_adagrad(params, grads, accums, *, lr, l1, l2):
+    # TF branches on λ₁ > 0; with λ₁ = 0 the λ₁ form below gives the same bits
+    # (sign(θ')·max(|θ'| - 0, 0) = θ', up to the sign of a zero), so one form
+    # serves both, as in TF's GPU kernel.
+    for p, g, a in zip(params, grads, accums, strict=True):
+        a.add_(g * g)  # 1. a = a + g²
+        lr_t = a.rsqrt().mul_(lr)  # 2. η_t = η·rsqrt(a)
+        p.sub_(g * lr_t)  # 3. θ' = θ - g·η_t
+        shrunk = (p.abs() - lr_t * l1).clamp_min_(0)
+        p.copy_(p.sign().mul_(shrunk).div_(lr_t.mul_(l2).add_(1)))  # 4. θ = sign(θ')·max(…) / (1 + λ₂η_t)
+
+
+def _multi_tensor_proximal_adagrad(params, grads, accums, *, lr, l1, l2):
+    torch._foreach_add_(accums, torch._foreach_mul(grads, grads))
+    lr_t = torch._foreach_rsqrt(accums)
+    torch._foreach_mul_(lr_t, lr)
+    torch._foreach_sub_(params, torch._foreach_mul(grads, lr_t))
+    shrunk = torch._foreach_abs(params)
+    torch._foreach_sub_(shrunk, torch._foreach_mul(lr_t, l1))
+    torch._foreach_clamp_min_(shrunk, 0)
+    new = torch._foreach_sign(params)
+    torch._foreach_mul_(new, shrunk)
+    # lr_t is not needed after the denominator, so it becomes the denominator.
+    torch._foreach_mul_(lr_t, l2)
+    torch._foreach_add_(lr_t, 1)
+    torch._foreach_div_(new, lr_t)
+    torch._foreach_copy_(params, new)
+
+
+def _sparse_proximal_adagrad(p, indices, values, accum, *, lr, l1, l2):
+    # TF's SparseApplyProximalAdagrad applies the dense formula to the given
+    # rows only (rows are unique after coalescing).
+    rows, accum_rows = p.index_select(0, indices), accum.index_select(0, indices)
+    _single_tensor_proximal_adagrad([rows], [values], [accum_rows], lr=lr, l1=l1, l2=l2)
+    accum.index_copy_(0, indices, accum_rows)
+    p.index_copy_(0, indices, rows)
