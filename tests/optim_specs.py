@@ -48,7 +48,7 @@ class OptimSpec:
         return self.cls(params, **{**config, **overrides})
 
 
-def _lr_cases(required: bool = True) -> tuple[tuple[str, Any, type[Exception]], ...]:
+def _lr_cases() -> tuple[tuple[str, Any, type[Exception]], ...]:
     return (
         ("learning_rate", NAN, ValueError),
         ("learning_rate", INF, ValueError),
@@ -100,7 +100,10 @@ SPECS: tuple[OptimSpec, ...] = (
     ),
     OptimSpec(
         name="AdagradOptimizer",
-        configs={"lr0.1": {"learning_rate": 0.1}, "init0.5": {"learning_rate": 0.1, "initial_accumulator_value": 0.5}},
+        configs={
+            "lr0.1": {"learning_rate": 0.1},
+            "init0.5": {"learning_rate": 0.1, "initial_accumulator_value": 0.5},
+        },
         slots=("accumulator",),
         bad_args=(*_lr_cases(), *_positive("initial_accumulator_value")),
     ),
@@ -108,7 +111,11 @@ SPECS: tuple[OptimSpec, ...] = (
         name="AdagradDAOptimizer",
         configs={
             "lr0.1": {"learning_rate": 0.1},
-            "l1l2": {"learning_rate": 0.1, "l1_regularization_strength": 0.01, "l2_regularization_strength": 0.02},
+            "l1l2": {
+                "learning_rate": 0.1,
+                "l1_regularization_strength": 0.01,
+                "l2_regularization_strength": 0.02,
+            },
         },
         slots=("gradient_accumulator", "gradient_squared_accumulator"),
         non_slot=("global_step",),
@@ -124,15 +131,26 @@ SPECS: tuple[OptimSpec, ...] = (
     ),
     OptimSpec(
         name="AdamOptimizer",
-        configs={"default": {"learning_rate": 0.01}, "b0.5eps0.1": {"beta1": 0.5, "beta2": 0.9, "epsilon": 0.1}},
+        configs={
+            "default": {"learning_rate": 0.01},
+            "b0.5eps0.1": {"beta1": 0.5, "beta2": 0.9, "epsilon": 0.1},
+        },
         slots=("m", "v"),
         non_slot=("beta1_power", "beta2_power"),
         sparse_lazy=False,
-        bad_args=(*_lr_cases(), *_unit("beta1", include_one=False), *_unit("beta2", include_one=False), *_nonneg("epsilon")),
+        bad_args=(
+            *_lr_cases(),
+            *_unit("beta1", include_one=False),
+            *_unit("beta2", include_one=False),
+            *_nonneg("epsilon"),
+        ),
     ),
     OptimSpec(
         name="AdadeltaOptimizer",
-        configs={"lr1": {"learning_rate": 1.0}, "rho0.9": {"learning_rate": 0.5, "rho": 0.9, "epsilon": 1e-6}},
+        configs={
+            "lr1": {"learning_rate": 1.0},
+            "rho0.9": {"learning_rate": 0.5, "rho": 0.9, "epsilon": 1e-6},
+        },
         slots=("accum", "accum_update"),
         bad_args=(*_lr_cases(), *_unit("rho", include_one=True), *_nonneg("epsilon")),
     ),
@@ -184,7 +202,11 @@ SPECS: tuple[OptimSpec, ...] = (
         name="ProximalAdagradOptimizer",
         configs={
             "lr0.1": {"learning_rate": 0.1},
-            "l1l2": {"learning_rate": 0.1, "l1_regularization_strength": 0.01, "l2_regularization_strength": 0.02},
+            "l1l2": {
+                "learning_rate": 0.1,
+                "l1_regularization_strength": 0.01,
+                "l2_regularization_strength": 0.02,
+            },
         },
         slots=("accumulator",),
         bad_args=(
@@ -198,10 +220,18 @@ SPECS: tuple[OptimSpec, ...] = (
         name="ProximalGradientDescentOptimizer",
         configs={
             "lr0.1": {"learning_rate": 0.1},
-            "l1l2": {"learning_rate": 0.1, "l1_regularization_strength": 0.01, "l2_regularization_strength": 0.02},
+            "l1l2": {
+                "learning_rate": 0.1,
+                "l1_regularization_strength": 0.01,
+                "l2_regularization_strength": 0.02,
+            },
         },
         slots=(),
-        bad_args=(*_lr_cases(), *_nonneg("l1_regularization_strength"), *_nonneg("l2_regularization_strength")),
+        bad_args=(
+            *_lr_cases(),
+            *_nonneg("l1_regularization_strength"),
+            *_nonneg("l2_regularization_strength"),
+        ),
     ),
 )
 

@@ -13,9 +13,9 @@ import math
 
 import pytest
 import torch
+from optim_specs import SPECS, OptimSpec, spec_configs
 
 import torchgrad_compat.optim as tgo
-from optim_specs import SPECS, OptimSpec, spec_configs
 
 DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16)
 
@@ -67,7 +67,9 @@ def _run_apply(spec, cid, params, steps, *, foreach=None, skip=None, **overrides
     opt = spec.make(params, cid, foreach=foreach, **overrides)
     for step in range(steps):
         grads = _grads(params, step)
-        pairs = [(g if not (skip and i in skip(step)) else None, p) for i, (g, p) in enumerate(zip(grads, params))]
+        pairs = [
+            (g if not (skip and i in skip(step)) else None, p) for i, (g, p) in enumerate(zip(grads, params))
+        ]
         opt.apply_gradients(pairs)
     return opt
 
@@ -162,6 +164,18 @@ def test_state_dict_resume_is_bitwise(spec: OptimSpec, cid: str):
     _assert_bitwise(_state_tensors(opt), _state_tensors(resumed))
 
 
+@pytest.mark.parametrize(("spec", "cid"), SPEC_CONFIGS, ids=SPEC_IDS)
+def test_deepcopy_continues_in_lockstep(spec: OptimSpec, cid: str):
+    params = _params()
+    opt = spec.make(params, cid)
+    opt.apply_gradients(zip(_grads(params, 0), params))
+    twin_params, twin = copy.deepcopy((params, opt))  # one memo: the twin's state keys are its params
+    for step in range(1, 4):
+        opt.apply_gradients(zip(_grads(params, step), params))
+        twin.apply_gradients(zip(_grads(twin_params, step), twin_params))
+    _assert_bitwise(params, twin_params)
+
+
 @pytest.mark.parametrize(("spec", "cid"), DEFAULT_CONFIGS, ids=DEFAULT_IDS)
 def test_load_state_dict_rejects_what_does_not_fit(spec: OptimSpec, cid: str):
     params = _params()
@@ -208,7 +222,11 @@ def _bad_arg_cases():
     cases = []
     for spec in SPECS:
         for arg, value, exc in spec.bad_args:
-            cases.append(pytest.param(spec, arg, value, exc, id=f"{spec.name.removesuffix('Optimizer')}-{arg}={value!r}"))
+            cases.append(
+                pytest.param(
+                    spec, arg, value, exc, id=f"{spec.name.removesuffix('Optimizer')}-{arg}={value!r}"
+                )
+            )
     return cases
 
 
@@ -330,7 +348,7 @@ def test_tensor_and_callable_learning_rates_match_float(spec: OptimSpec, cid: st
     finals = []
     for value in (lr, torch.tensor(lr), lambda: lr):
         params = _params()
-        opt = _run_apply(spec, cid, params, 3, learning_rate=value)
+        _run_apply(spec, cid, params, 3, learning_rate=value)
         finals.append(params)
     _assert_bitwise(finals[0], finals[1])
     _assert_bitwise(finals[0], finals[2])
@@ -436,11 +454,12 @@ def test_loss_goes_down(spec: OptimSpec, cid: str, problem: str):
 
 
 # ---------------------------------------------------------------- low precision
-# Half-precision runs are compared with the same run in float64. TF computes in the
-# variable's dtype, so the error grows with the unit roundoff u of the dtype: the
-# tolerance is 40·u relative (float16 u = 2^-11, bfloat16 u = 2^-8) after 5 steps,
-# plus the same as an absolute floor. Measured worst cases are in the README.
-HALF_TOL = {torch.float16: 40 * 2.0**-11, torch.bfloat16: 40 * 2.0**-8}
+# Half-precision runs are compared with the same run in float64 started from the same
+# (rounded) values. Updates run through float32 working copies, so the error is the
+# rounding of the stored values: measured worst case after 5 steps over the table,
+# 1.73·u (Adam, bfloat16; u = 2^-11 for float16, 2^-8 for bfloat16), relative to
+# 1 + |x|. The tolerance is 4·u.
+HALF_TOL = {torch.float16: 4 * 2.0**-11, torch.bfloat16: 4 * 2.0**-8}
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
