@@ -60,10 +60,10 @@ class AdadeltaOptimizer(Optimizer):
 
     Example:
         >>> w = torch.nn.Parameter(torch.tensor([1.0, -1.0]))
-        >>> opt = AdadeltaOptimizer([w], learning_rate=1000.0, epsilon=1e-4)
+        >>> opt = AdadeltaOptimizer([w], learning_rate=1.0)
         >>> opt.minimize(lambda: (w * w).sum())
         >>> w.detach()
-        tensor([ 0.9000, -0.9000])
+        tensor([ 0.9996, -0.9996])
     """
 
     _hypers = (
