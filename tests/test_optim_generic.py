@@ -273,10 +273,12 @@ def test_bad_inputs_get_clear_errors(spec: OptimSpec, cid: str):
         opt.compute_gradients(_quadratic(params), gate_gradients=5)
     with pytest.raises(ValueError, match="aggregation_method"):
         opt.compute_gradients(_quadratic(params), aggregation_method=7)
-    elementwise = torch.sparse_coo_tensor(torch.tensor([[0], [1]]), torch.tensor([1.0]), (4, 3))
+    elementwise = torch.sparse_coo_tensor(
+        torch.tensor([[0], [1]]), torch.tensor([1.0]), (4, 3), check_invariants=True
+    )
     with pytest.raises(ValueError, match="row-sparse"):
         opt.apply_gradients([(elementwise, params[0])])
-    wrong_rows = torch.sparse_coo_tensor(torch.tensor([[0]]), torch.ones(1, 3), (6, 3))
+    wrong_rows = torch.sparse_coo_tensor(torch.tensor([[0]]), torch.ones(1, 3), (6, 3), check_invariants=True)
     with pytest.raises(ValueError, match="gradient shape"):
         opt.apply_gradients([(wrong_rows, params[0])])
     assert not opt.state  # none of the rejected calls created state

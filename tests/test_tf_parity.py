@@ -1,0 +1,207 @@
+"""Every optimizer against real TensorFlow, step by step, params, slots and non-slot state.
+
+The fixtures in tests/fixtures/optim were written by scripts/make_tf_fixtures.py,
+which drives ``tf.compat.v1.train.<Name>Optimizer`` (TF 2.21, CPU, graph mode,
+resource variables) for five steps on two variables, ``var0`` (4, 3) and ``var1``
+(5,), with dense gradients or sparse ones whose indices repeat. Each case runs
+here in two ways:
+
+- ``apply``: TF style, ``opt.apply_gradients([(g0, var0), (g1, var1)])``, the
+  sparse gradients given as uncoalesced COO tensors;
+- ``step``: torch style, the gradients reaching ``p.grad`` through a real
+  ``backward()`` (dense: ``(p * g).sum()``; sparse 2-D: an
+  ``embedding(indices, p, sparse=True)`` weighted by the values, which yields
+  the uncoalesced COO gradient with the duplicate indices), then ``opt.step()``.
+  Autograd cannot make a row-sparse gradient for the rank-1 ``var1``, so that
+  one is assigned to ``p.grad`` directly.
+
+Both variables are compared after every step; the slots (``get_slot``) and the
+non-slot state (``state_dict()["non_slot_state"]``) after the last step.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+
+import torchgrad_compat.optim as tgo
+
+ROOT = Path(__file__).resolve().parent.parent
+FIXTURES = ROOT / "tests" / "fixtures" / "optim"
+GENERATOR = ROOT / "scripts" / "make_tf_fixtures.py"
+MANIFEST: list[dict[str, Any]] = json.loads((FIXTURES / "manifest.json").read_text())
+MODES = ("apply", "step")
+
+# (rtol, atol), DESIGN.md's parity target, for every case. TF itself is not
+# reproducible where Eigen approximates (the SIMD rsqrt of Adagrad, Adadelta and
+# ProximalAdagrad; pow for Ftrl's learning_rate_power != -0.5), and torch's
+# float32 CPU sqrt is not correctly rounded (TF's is), yet no case needs more:
+# the largest measured |ours - TF| / (atol + rtol·|TF|), over all cases and both
+# modes, is 0.18 (Ftrl float32, 1.4e-6 abs in `linear`, where sqrt(n) - sqrt(a)
+# cancels), then 0.11 (Adadelta float32, 3.6e-7 abs, 1.3e-5 rel); float64 cases
+# stay within 2.1e-14 rel.
+TOLERANCE = {"float32": (1e-5, 1e-6), "float64": (1e-10, 1e-12)}
+
+
+@functools.cache
+def _npz(file: str) -> dict[str, np.ndarray]:
+    with np.load(FIXTURES / file) as npz:
+        return {key: npz[key] for key in npz.files}
+
+
+def case_arrays(case: dict[str, Any]) -> dict[str, np.ndarray]:
+    """The arrays of one case, keyed without the ``<case id>/`` prefix."""
+    prefix = f"{case['id']}/"
+    return {key[len(prefix) :]: value for key, value in _npz(case["file"]).items() if key.startswith(prefix)}
+
+
+def _gradient(arrays: dict[str, np.ndarray], i: int, k: int) -> np.ndarray | tuple[np.ndarray, np.ndarray]:
+    """``var{i}``'s gradient at step ``k`` (1-based): an array, or (indices, values)."""
+    if f"grad{i}" in arrays:
+        return arrays[f"grad{i}"][k - 1]
+    rows = arrays[f"grad{i}/step"] == k
+    return arrays[f"grad{i}/indices"][rows], arrays[f"grad{i}/values"][rows]
+
+
+def _sparse(indices: np.ndarray, values: np.ndarray, shape: torch.Size) -> torch.Tensor:
+    """An uncoalesced row-sparse COO tensor, duplicates kept in order (TF's IndexedSlices)."""
+    return torch.sparse_coo_tensor(
+        torch.tensor(indices)[None], torch.tensor(values), shape, check_invariants=True
+    )
+
+
+def _apply(opt: tgo.Optimizer, params: list[torch.Tensor], arrays: dict[str, np.ndarray], k: int) -> None:
+    grads = []
+    for i, p in enumerate(params):
+        grad = _gradient(arrays, i, k)
+        grads.append(_sparse(*grad, p.shape) if isinstance(grad, tuple) else torch.tensor(grad))
+    opt.apply_gradients(list(zip(grads, params, strict=True)))
+
+
+def _step(opt: tgo.Optimizer, params: list[torch.Tensor], arrays: dict[str, np.ndarray], k: int) -> None:
+    opt.zero_grad()
+    loss = torch.zeros((), dtype=params[0].dtype)
+    assigned = {}
+    for i, p in enumerate(params):
+        grad = _gradient(arrays, i, k)
+        if not isinstance(grad, tuple):
+            loss = loss + (p * torch.tensor(grad)).sum()
+        elif p.dim() > 1:
+            indices, values = grad
+            rows = F.embedding(torch.tensor(indices), p, sparse=True)
+            loss = loss + (rows * torch.tensor(values)).sum()
+        else:
+            assigned[p] = _sparse(*grad, p.shape)
+    loss.backward()
+    for p, grad in assigned.items():
+        p.grad = grad
+    opt.step()
+
+
+def _numpy(t: torch.Tensor) -> np.ndarray:
+    """A copy: the optimizer keeps updating the tensor in place."""
+    return t.detach().cpu().numpy().copy()
+
+
+def run_case(case: dict[str, Any], mode: str) -> list[tuple[str, np.ndarray, np.ndarray]]:
+    """Run a fixture case; return (what, ours, TF's) for every compared array, in order."""
+    cls = getattr(tgo, case["optimizer"], None)
+    if cls is None:
+        pytest.fail(f"torchgrad_compat.optim has no {case['optimizer']}, which the fixtures cover")
+    arrays = case_arrays(case)
+    dtype = getattr(torch, case["dtype"])
+    params = [torch.nn.Parameter(torch.tensor(arrays[f"var{i}/init"])) for i in range(len(case["shapes"]))]
+    assert all(p.dtype == dtype for p in params)
+    opt = cls(params, **case["kwargs"])
+    drive = _apply if mode == "apply" else _step
+    compared = []
+    for k in range(1, case["steps"] + 1):
+        drive(opt, params, arrays, k)
+        for i, p in enumerate(params):
+            compared.append((f"var{i} after step {k}", _numpy(p), arrays[f"var{i}/steps"][k - 1]))
+    assert opt.get_slot_names() == case["slots"]
+    for i, p in enumerate(params):
+        for name in case["slots"]:
+            slot = opt.get_slot(p, name)
+            assert slot is not None, f"get_slot(var{i}, {name!r}) is None after {case['steps']} steps"
+            compared.append((f"slot {name!r} of var{i}", _numpy(slot), arrays[f"slot{i}/{name}"]))
+    non_slot = opt.state_dict()["non_slot_state"][0]
+    for name in case["non_slots"]:
+        assert name in non_slot, f"non-slot state {name!r} missing; have {sorted(non_slot)}"
+        compared.append((f"non-slot {name!r}", _numpy(non_slot[name]), arrays[f"non_slot/{name}"]))
+    return compared
+
+
+@pytest.mark.parametrize(
+    ("case", "mode"),
+    [pytest.param(case, mode, id=f"{case['id']}-{mode}") for case in MANIFEST for mode in MODES],
+)
+def test_matches_tensorflow(case: dict[str, Any], mode: str) -> None:
+    rtol, atol = TOLERANCE[case["dtype"]]
+    for what, ours, theirs in run_case(case, mode):
+        assert ours.dtype == theirs.dtype, f"{what}: dtype {ours.dtype}, TF's is {theirs.dtype}"
+        np.testing.assert_allclose(ours, theirs, rtol=rtol, atol=atol, err_msg=what)
+
+
+def test_fixtures_cover_every_optimizer() -> None:
+    """A new optimizer class needs fixtures: every exported one appears in the manifest."""
+    exported = {
+        name
+        for name in tgo.__all__
+        if isinstance(getattr(tgo, name), type) and issubclass(getattr(tgo, name), tgo.Optimizer)
+    }
+    assert exported - {"Optimizer"} <= {case["optimizer"] for case in MANIFEST}
+
+
+def _tf_python() -> str | None:
+    """An interpreter that can import tensorflow: this one, or ``$TORCHGRAD_COMPAT_TF_PYTHON``."""
+    if importlib.util.find_spec("tensorflow") is not None:
+        return sys.executable
+    return os.environ.get("TORCHGRAD_COMPAT_TF_PYTHON")
+
+
+@pytest.mark.tf_live
+def test_generator_reproduces_the_fixtures(tmp_path: Path) -> None:
+    """Rerun real TensorFlow: the committed fixtures are what the generator writes today."""
+    python = _tf_python()
+    if python is None:
+        pytest.skip(
+            "tensorflow is not importable here; set TORCHGRAD_COMPAT_TF_PYTHON to an interpreter that has it"
+        )
+    run = subprocess.run(
+        [python, str(GENERATOR), "--out", str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env={**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2"},
+    )
+    assert run.returncode == 0, run.stderr[-4000:]
+    fresh = json.loads((tmp_path / "manifest.json").read_text())
+
+    def without_version(entries: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        return [{k: v for k, v in entry.items() if k != "tf_version"} for entry in entries]
+
+    assert without_version(fresh) == without_version(MANIFEST)
+    for case in MANIFEST:
+        rtol, atol = TOLERANCE[case["dtype"]]
+        prefix = f"{case['id']}/"
+        with np.load(tmp_path / case["file"]) as npz:
+            regenerated = {key[len(prefix) :]: npz[key] for key in npz.files if key.startswith(prefix)}
+        committed = case_arrays(case)
+        assert sorted(regenerated) == sorted(committed), case["id"]
+        for key, value in committed.items():
+            # TF's approximate rsqrt may round differently on another instruction set.
+            np.testing.assert_allclose(
+                regenerated[key], value, rtol=rtol, atol=atol, err_msg=f"{prefix}{key}"
+            )
