@@ -286,7 +286,7 @@ def test_bad_inputs_get_clear_errors(spec: OptimSpec, cid: str):
 
 # ---------------------------------------------------------------- sparse rules
 def _sparse(indices, values, shape):
-    return torch.sparse_coo_tensor(torch.tensor([indices]), values, shape)
+    return torch.sparse_coo_tensor(torch.tensor([indices]), values, shape, check_invariants=True)
 
 
 @pytest.mark.parametrize(("spec", "cid"), SPEC_CONFIGS, ids=SPEC_IDS)

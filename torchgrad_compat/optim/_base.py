@@ -30,7 +30,7 @@ import torch
 from torch import Tensor
 from torch.optim.optimizer import _default_to_fused_or_foreach
 
-__all__ = ["Flag", "Hyper", "HyperScalars", "Optimizer", "check_range"]
+__all__ = ["Flag", "Hyper", "HyperScalars", "Optimizer", "check_range", "compute_gradients"]
 
 _VALID_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 _HALF_DTYPES = (torch.float16, torch.bfloat16)
@@ -301,42 +301,14 @@ class Optimizer(torch.optim.Optimizer):
         ``gate_gradients`` and ``colocate_gradients_with_ops`` are validated and
         have no numerical effect in eager PyTorch.
         """
-        if gate_gradients not in (self.GATE_NONE, self.GATE_OP, self.GATE_GRAPH):
-            raise ValueError(
-                "gate_gradients must be one of: Optimizer.GATE_NONE, Optimizer.GATE_OP, "
-                f"Optimizer.GATE_GRAPH. Not {gate_gradients!r}"
-            )
-        if aggregation_method not in (None, 0, 1, 2) or isinstance(aggregation_method, bool):
-            raise ValueError(
-                f"Invalid aggregation_method specified {aggregation_method!r}. "
-                "Accepted values are [0, 1, 2] (AggregationMethod.ADD_N, "
-                "EXPERIMENTAL_TREE, EXPERIMENTAL_ACCUMULATE_N) or None."
-            )
-        if callable(loss) and not isinstance(loss, Tensor):
-            with torch.enable_grad():
-                loss = loss()
-        if not isinstance(loss, Tensor):
-            raise TypeError(f"loss must be a tensor or a callable returning one, got {type(loss).__name__}")
-        if var_list is None:
-            var_list = [p for group in self.param_groups for p in group["params"]]
-        else:
-            var_list = list(var_list)
-        if not var_list:
-            raise ValueError("No variables to optimize.")
-        for i, v in enumerate(var_list):
-            if not isinstance(v, Tensor) or not v.requires_grad:
-                raise ValueError(f"var_list[{i}] must be a tensor that requires grad, got {_describe(v)}")
-        if not loss.requires_grad:
-            return [(None, v) for v in var_list]
-        if grad_loss is None:
-            grad_loss = torch.ones_like(loss)
-        elif not isinstance(grad_loss, Tensor) or grad_loss.shape != loss.shape:
-            raise ValueError(
-                f"grad_loss must be a tensor of the loss's shape {tuple(loss.shape)}, "
-                f"got {_describe(grad_loss)}"
-            )
-        grads = torch.autograd.grad(loss, var_list, grad_outputs=grad_loss, allow_unused=True)
-        return list(zip(grads, var_list, strict=True))
+        return compute_gradients(
+            loss,
+            [p for group in self.param_groups for p in group["params"]] if var_list is None else var_list,
+            gate_gradients=gate_gradients,
+            aggregation_method=aggregation_method,
+            colocate_gradients_with_ops=colocate_gradients_with_ops,
+            grad_loss=grad_loss,
+        )
 
     def apply_gradients(
         self,
@@ -560,6 +532,50 @@ def _working_precision(
     for s, wide in zip(slots, wide_slots, strict=True):
         for k, v in s.items():
             v.copy_(wide[k])
+
+
+def compute_gradients(
+    loss: Tensor | Callable[[], Tensor],
+    var_list: Sequence[Tensor],
+    *,
+    gate_gradients: int = 1,
+    aggregation_method: int | None = None,
+    colocate_gradients_with_ops: bool = False,
+    grad_loss: Tensor | None = None,
+) -> list[tuple[Tensor | None, Tensor]]:
+    """TF's ``Optimizer.compute_gradients`` for an explicit ``var_list``; the wrappers share it."""
+    if gate_gradients not in (Optimizer.GATE_NONE, Optimizer.GATE_OP, Optimizer.GATE_GRAPH):
+        raise ValueError(
+            "gate_gradients must be one of: Optimizer.GATE_NONE, Optimizer.GATE_OP, "
+            f"Optimizer.GATE_GRAPH. Not {gate_gradients!r}"
+        )
+    if aggregation_method not in (None, 0, 1, 2) or isinstance(aggregation_method, bool):
+        raise ValueError(
+            f"Invalid aggregation_method specified {aggregation_method!r}. "
+            "Accepted values are [0, 1, 2] (AggregationMethod.ADD_N, "
+            "EXPERIMENTAL_TREE, EXPERIMENTAL_ACCUMULATE_N) or None."
+        )
+    if callable(loss) and not isinstance(loss, Tensor):
+        with torch.enable_grad():
+            loss = loss()
+    if not isinstance(loss, Tensor):
+        raise TypeError(f"loss must be a tensor or a callable returning one, got {type(loss).__name__}")
+    var_list = list(var_list)
+    if not var_list:
+        raise ValueError("No variables to optimize.")
+    for i, v in enumerate(var_list):
+        if not isinstance(v, Tensor) or not v.requires_grad:
+            raise ValueError(f"var_list[{i}] must be a tensor that requires grad, got {_describe(v)}")
+    if not loss.requires_grad:
+        return [(None, v) for v in var_list]
+    if grad_loss is None:
+        grad_loss = torch.ones_like(loss)
+    elif not isinstance(grad_loss, Tensor) or grad_loss.shape != loss.shape:
+        raise ValueError(
+            f"grad_loss must be a tensor of the loss's shape {tuple(loss.shape)}, got {_describe(grad_loss)}"
+        )
+    grads = torch.autograd.grad(loss, var_list, grad_outputs=grad_loss, allow_unused=True)
+    return list(zip(grads, var_list, strict=True))
 
 
 def _evaluate(group: dict[str, Any], hypers: tuple[Hyper | Flag, ...]) -> dict[str, Any]:

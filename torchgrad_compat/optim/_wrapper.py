@@ -1,0 +1,199 @@
+"""The base of optimizers that wrap another: LossScaleOptimizer, CrossShardOptimizer, AGNOptimizer."""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any, ClassVar
+
+import torch
+from torch import Tensor
+
+from ._base import _check_global_step, _describe, compute_gradients
+
+__all__ = ["OptimizerWrapper"]
+
+_TORCH_HOOK_DICTS = (
+    "_optimizer_step_pre_hooks",
+    "_optimizer_step_post_hooks",
+    "_optimizer_state_dict_pre_hooks",
+    "_optimizer_state_dict_post_hooks",
+    "_optimizer_load_state_dict_pre_hooks",
+    "_optimizer_load_state_dict_post_hooks",
+)
+
+
+class OptimizerWrapper(torch.optim.Optimizer):
+    """An optimizer that wraps another (this package's or torch's own) and shares its state.
+
+    ``param_groups``, ``state`` and ``defaults`` *are* the wrapped optimizer's, so
+    LR schedulers, ``zero_grad`` and ``add_param_group`` act on it, and
+    ``learning_rate`` (alias ``lr``) reads and sets the learning rate of every
+    group. TF's API works whatever is wrapped: ``compute_gradients``,
+    ``get_slot``, ``get_slot_names`` and ``variables`` read the wrapped
+    optimizer, and gradients reach a torch optimizer, which has no
+    ``apply_gradients``, through ``.grad`` for one ``step()``.
+
+    Subclasses implement ``step`` and ``apply_gradients`` and extend
+    ``state_dict`` / ``load_state_dict`` with their own state.
+    """
+
+    _pickled_attributes: ClassVar[tuple[str, ...]] = ("_optimizer",)
+
+    def __init__(self, optimizer: torch.optim.Optimizer):
+        if not isinstance(optimizer, torch.optim.Optimizer):
+            raise TypeError(
+                f"{type(self).__name__} wraps a torch.optim.Optimizer, got {type(optimizer).__name__}: "
+                f"{optimizer!r}"
+            )
+        self._optimizer = optimizer
+        # torch.optim.Optimizer.__init__ would build param groups of its own: set up only its hooks.
+        for name in _TORCH_HOOK_DICTS:
+            setattr(self, name, OrderedDict())
+        self._patch_step_function()
+
+    # ------------------------------------------------------------------ shared state
+    @property
+    def inner_optimizer(self) -> torch.optim.Optimizer:
+        """The wrapped optimizer."""
+        return self._optimizer
+
+    @property
+    def param_groups(self) -> list[dict[str, Any]]:  # type: ignore[override]
+        return self._optimizer.param_groups
+
+    @property
+    def state(self) -> Any:  # type: ignore[override]
+        return self._optimizer.state
+
+    @property
+    def defaults(self) -> dict[str, Any]:  # type: ignore[override]
+        return self._optimizer.defaults
+
+    @property
+    def learning_rate(self) -> Any:
+        """The first param group's learning rate; setting it sets every group's."""
+        return self.param_groups[0]["lr"]
+
+    @learning_rate.setter
+    def learning_rate(self, value: Any) -> None:
+        for group in self.param_groups:
+            group["lr"] = value
+
+    lr = learning_rate
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {name: getattr(self, name) for name in self._pickled_attributes}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        for name in _TORCH_HOOK_DICTS:
+            setattr(self, name, OrderedDict())
+        self._patch_step_function()
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self._optimizer!r})"
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        self._optimizer.add_param_group(param_group)
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        self._optimizer.zero_grad(set_to_none=set_to_none)
+
+    # ------------------------------------------------------------------ TF's read API
+    def get_slot(self, var: Tensor, name: str) -> Tensor | None:
+        """The wrapped optimizer's slot ``name`` of ``var`` (for torch's: its state entry), or None."""
+        if hasattr(self._optimizer, "get_slot"):
+            return self._optimizer.get_slot(var, name)
+        state = self._optimizer.state.get(var)
+        return None if state is None else state.get(name)
+
+    def get_slot_names(self) -> list[str]:
+        if hasattr(self._optimizer, "get_slot_names"):
+            return self._optimizer.get_slot_names()
+        names = {k for s in self._optimizer.state.values() for k, v in s.items() if isinstance(v, Tensor)}
+        return sorted(names)
+
+    def variables(self) -> list[Tensor]:
+        """The wrapped optimizer's state tensors (subclasses add their own)."""
+        if hasattr(self._optimizer, "variables"):
+            return list(self._optimizer.variables())
+        return [
+            v for s in self._optimizer.state.values() for _, v in sorted(s.items()) if isinstance(v, Tensor)
+        ]
+
+    # ------------------------------------------------------------------ gradients
+    def _all_params(self) -> list[Tensor]:
+        return [p for group in self.param_groups for p in group["params"]]
+
+    def compute_gradients(
+        self,
+        loss: Tensor | Callable[[], Tensor],
+        var_list: Sequence[Tensor] | None = None,
+        gate_gradients: int = 1,
+        aggregation_method: int | None = None,
+        colocate_gradients_with_ops: bool = False,
+        grad_loss: Tensor | None = None,
+    ) -> list[tuple[Tensor | None, Tensor]]:
+        """TF's ``compute_gradients`` over the wrapped optimizer's parameters (or ``var_list``)."""
+        return compute_gradients(
+            loss,
+            self._all_params() if var_list is None else var_list,
+            gate_gradients=gate_gradients,
+            aggregation_method=aggregation_method,
+            colocate_gradients_with_ops=colocate_gradients_with_ops,
+            grad_loss=grad_loss,
+        )
+
+    def _apply_inner(
+        self,
+        grads_and_vars: Iterable[tuple[Tensor | None, Tensor]],
+        global_step: Tensor | None = None,
+        name: str | None = None,
+    ) -> None:
+        """Apply ``(grad, var)`` pairs with the wrapped optimizer.
+
+        An optimizer with ``apply_gradients`` gets the pairs. A torch optimizer
+        gets them as ``.grad`` for one ``step()`` (variables without a gradient
+        have ``.grad = None`` meanwhile, so torch skips them); the previous
+        ``.grad`` values are put back afterwards.
+        """
+        inner = self._optimizer
+        if hasattr(inner, "apply_gradients"):
+            inner.apply_gradients(grads_and_vars, global_step=global_step, name=name)
+            return
+        pairs = list(grads_and_vars)
+        if global_step is not None:
+            _check_global_step(global_step)
+        managed = {id(p) for p in self._all_params()}
+        for _, v in pairs:
+            if id(v) not in managed:
+                raise ValueError(f"{type(inner).__name__} does not manage variable {_describe(v)}")
+        if all(g is None for g, _ in pairs):
+            raise ValueError(f"No gradients provided for any variable: {[_describe(v) for _, v in pairs]}.")
+        saved = [(p, p.grad) for p in self._all_params()]
+        try:
+            for p, _ in saved:
+                p.grad = None
+            for g, v in pairs:
+                v.grad = g
+            inner.step()
+        finally:
+            for p, g in saved:
+                p.grad = g
+        if global_step is not None:
+            with torch.no_grad():
+                global_step.add_(1)
+
+    # ------------------------------------------------------------------ checkpoints
+    def state_dict(self) -> dict[str, Any]:
+        """``{"optimizer": <the wrapped optimizer's state_dict>}``; subclasses add their state."""
+        return {"optimizer": self._optimizer.state_dict()}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        if "optimizer" not in state_dict:
+            raise ValueError(
+                f"{type(self).__name__}.load_state_dict expects the dict from its state_dict(), with key "
+                f"'optimizer'; got keys {sorted(state_dict)}"
+            )
+        self._optimizer.load_state_dict(state_dict["optimizer"])
