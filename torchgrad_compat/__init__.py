@@ -1,6 +1,14 @@
 """torchgrad_compat: TensorFlow v1's training stack rebuilt natively on PyTorch."""
 
 from . import optim
+from .gradients import AggregationMethod, UnconnectedGradients, gradients, hessian_vector_product, hessians
 
-__all__ = ["optim"]
+__all__ = [
+    "AggregationMethod",
+    "UnconnectedGradients",
+    "gradients",
+    "hessian_vector_product",
+    "hessians",
+    "optim",
+]
 __version__ = "0.1.0"

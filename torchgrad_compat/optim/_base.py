@@ -30,6 +30,8 @@ import torch
 from torch import Tensor
 from torch.optim.optimizer import _default_to_fused_or_foreach
 
+from ..gradients import check_aggregation_method, gradients
+
 __all__ = ["Flag", "Hyper", "HyperScalars", "Optimizer", "check_range", "compute_gradients"]
 
 _VALID_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
@@ -549,12 +551,7 @@ def compute_gradients(
             "gate_gradients must be one of: Optimizer.GATE_NONE, Optimizer.GATE_OP, "
             f"Optimizer.GATE_GRAPH. Not {gate_gradients!r}"
         )
-    if aggregation_method not in (None, 0, 1, 2) or isinstance(aggregation_method, bool):
-        raise ValueError(
-            f"Invalid aggregation_method specified {aggregation_method!r}. "
-            "Accepted values are [0, 1, 2] (AggregationMethod.ADD_N, "
-            "EXPERIMENTAL_TREE, EXPERIMENTAL_ACCUMULATE_N) or None."
-        )
+    check_aggregation_method(aggregation_method)
     if callable(loss) and not isinstance(loss, Tensor):
         with torch.enable_grad():
             loss = loss()
@@ -566,15 +563,22 @@ def compute_gradients(
     for i, v in enumerate(var_list):
         if not isinstance(v, Tensor) or not v.requires_grad:
             raise ValueError(f"var_list[{i}] must be a tensor that requires grad, got {_describe(v)}")
-    if not loss.requires_grad:
-        return [(None, v) for v in var_list]
-    if grad_loss is None:
-        grad_loss = torch.ones_like(loss)
-    elif not isinstance(grad_loss, Tensor) or grad_loss.shape != loss.shape:
+    if grad_loss is not None and (not isinstance(grad_loss, Tensor) or grad_loss.shape != loss.shape):
         raise ValueError(
             f"grad_loss must be a tensor of the loss's shape {tuple(loss.shape)}, got {_describe(grad_loss)}"
         )
-    grads = torch.autograd.grad(loss, var_list, grad_outputs=grad_loss, allow_unused=True)
+    # TF passes gate_gradients=(gate_gradients == GATE_OP) to tf.gradients. Like
+    # loss.backward(), the graph is freed and the gradients are plain tensors.
+    grads = gradients(
+        loss,
+        var_list,
+        grad_ys=grad_loss,
+        colocate_gradients_with_ops=colocate_gradients_with_ops,
+        gate_gradients=gate_gradients == Optimizer.GATE_OP,
+        aggregation_method=aggregation_method,
+        create_graph=False,
+        retain_graph=False,
+    )
     return list(zip(grads, var_list, strict=True))
 
 
