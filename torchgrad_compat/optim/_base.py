@@ -36,6 +36,10 @@ __all__ = ["Flag", "Hyper", "HyperScalars", "Optimizer", "check_range", "compute
 
 _VALID_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 _HALF_DTYPES = (torch.float16, torch.bfloat16)
+# CPU foreach updates run over chunks of at most this many parameter bytes (see _chunks).
+_CPU_CHUNK_BYTES = 2 * 1024 * 1024
+# Chunk layouts whose scratch views an optimizer keeps (see Optimizer._scratch).
+_SCRATCH_SETS = 256
 
 
 def check_range(
@@ -279,9 +283,19 @@ class Optimizer(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        pairs = [(p.grad, p) for group in self.param_groups for p in group["params"] if p.grad is not None]
-        if pairs:
-            self._apply(pairs)
+        grouped: dict[int, list[tuple[Tensor, Tensor]]] = {}
+        for gi, group in enumerate(self.param_groups):
+            pairs = [(p.grad, p) for p in group["params"] if p.grad is not None]
+            if pairs:
+                grouped[gi] = pairs
+        if grouped:
+            # torch checked shape, dtype and device when .grad was assigned; the
+            # sparse layout is this package's own restriction.
+            for pairs in grouped.values():
+                for g, p in pairs:
+                    if g.is_sparse:
+                        _check_grad(type(self).__name__, g, p)
+            self._apply(grouped)
         return loss
 
     # ------------------------------------------------------------------ TF API
@@ -336,7 +350,7 @@ class Optimizer(torch.optim.Optimizer):
         present = [(g, v) for g, v in pairs if g is not None]
         if not present:
             raise ValueError(f"No gradients provided for any variable: {[_describe(v) for _, v in pairs]}.")
-        self._apply(present)
+        self._apply(self._validate_pairs(present))
         if global_step is not None:
             with torch.no_grad():
                 global_step.add_(1)
@@ -465,16 +479,11 @@ class Optimizer(torch.optim.Optimizer):
             _, foreach = _default_to_fused_or_foreach(params, differentiable=False, use_fused=False)
         return bool(foreach)
 
-    def _locate(self) -> dict[int, int]:
-        return {id(p): i for i, group in enumerate(self.param_groups) for p in group["params"]}
-
-    @torch.no_grad()
-    def _apply(self, pairs: list[tuple[Tensor, Tensor]]) -> None:
-        """Validate every pair, then update each group and run ``_finish`` once per group."""
-        where = self._locate()
+    def _validate_pairs(self, pairs: list[tuple[Any, Any]]) -> dict[int, list[tuple[Tensor, Tensor]]]:
+        """Check ``(grad, var)`` pairs from the caller and group them by param group index."""
+        where = {id(p): i for i, group in enumerate(self.param_groups) for p in group["params"]}
         cls = type(self).__name__
-        dense: dict[int, list[tuple[Tensor, Tensor]]] = {}
-        sparse: dict[int, list[tuple[Tensor, Tensor]]] = {}
+        grouped: dict[int, list[tuple[Tensor, Tensor]]] = {}
         seen: set[int] = set()
         for g, p in pairs:
             if not isinstance(p, Tensor) or id(p) not in where:
@@ -483,7 +492,47 @@ class Optimizer(torch.optim.Optimizer):
                 raise ValueError(f"variable {_describe(p)} appears more than once in grads_and_vars")
             seen.add(id(p))
             _check_grad(cls, g, p)
-            (sparse if g.is_sparse else dense).setdefault(where[id(p)], []).append((g, p))
+            grouped.setdefault(where[id(p)], []).append((g, p))
+        return grouped
+
+    def _scratch(self, like: list[Tensor], count: int) -> list[list[Tensor]]:
+        """``count`` lists of tensors shaped like ``like``, for a foreach update's temporaries.
+
+        On CPU they are views into flat buffers kept between steps (one per
+        dtype and list index, as large as the largest chunk, see ``_chunks``):
+        a fresh list of temporaries costs more than the arithmetic on it,
+        because freed pages go back to the OS and are faulted in again next
+        step (measured here: an out-of-place foreach op over 100 tensors of 10k
+        floats took 3.1 ms, copy_ into a kept list plus the in-place op
+        0.34 ms). Elsewhere the caching allocator makes allocation cheap, so
+        they live for one call only.
+        """
+        if like[0].device.type != "cpu":
+            return [[torch.empty_like(t) for t in like] for _ in range(count)]
+        dtype = like[0].dtype
+        views = self.__dict__.setdefault("_scratch_views", {})
+        key = (dtype, count, tuple(t.shape for t in like))
+        if key not in views:
+            flats = self.__dict__.setdefault("_scratch_flats", {})
+            numel = sum(t.numel() for t in like)
+            current = flats.get(dtype, [])
+            if len(current) < count or current[0].numel() < numel:
+                size = max(numel, current[0].numel() if current else 0)
+                flats[dtype] = [torch.empty(size, dtype=dtype) for _ in range(max(count, len(current)))]
+                views.clear()  # views of the old buffers would keep them alive
+            if len(views) >= _SCRATCH_SETS:
+                views.clear()
+            views[key] = [_views_of(flat, like) for flat in flats[dtype][:count]]
+        return views[key]
+
+    @torch.no_grad()
+    def _apply(self, grouped: dict[int, list[tuple[Tensor, Tensor]]]) -> None:
+        """Update each group from its checked ``(grad, param)`` pairs, then run ``_finish`` once per group."""
+        dense: dict[int, list[tuple[Tensor, Tensor]]] = {}
+        sparse: dict[int, list[tuple[Tensor, Tensor]]] = {}
+        for gi, pairs in grouped.items():
+            for g, p in pairs:
+                (sparse if g.is_sparse else dense).setdefault(gi, []).append((g, p))
         for gi, group in enumerate(self.param_groups):
             values = _evaluate(group, self._hypers)
             non_slot = self._non_slot[gi]
@@ -493,42 +542,79 @@ class Optimizer(torch.optim.Optimizer):
             buckets: dict[tuple[torch.device, torch.dtype], list[tuple[Tensor, Tensor]]] = {}
             for g, p in dense.get(gi, []):
                 buckets.setdefault((p.device, p.dtype), []).append((g, p))
-            for bucket in buckets.values():
-                params = [p for _, p in bucket]
-                grads = [g for g, _ in bucket]
-                slots = [self.state[p] for p in params]
-                with _working_precision(params, grads, slots, values) as (ps, gs, ss, hyper):
-                    self._apply_dense(group, ps, gs, ss, non_slot, hyper)
+            for (device, dtype), bucket in buckets.items():
+                hyper = HyperScalars(values, _compute_dtype(dtype), device)
+                for chunk in _chunks(bucket):
+                    params = [p for _, p in chunk]
+                    grads = [g for g, _ in chunk]
+                    slots = [self.state[p] for p in params]
+                    with _working_precision(params, grads, slots) as (ps, gs, ss):
+                        self._apply_dense(group, ps, gs, ss, non_slot, hyper)
             for g, p in sparse.get(gi, []):
                 if self._coalesce_sparse:
                     g = g.coalesce()
                     indices, grad_values = g.indices()[0], g.values()
                 else:
                     indices, grad_values = g._indices()[0], g._values()
-                with _working_precision([p], [grad_values], [self.state[p]], values) as (ps, gs, ss, hyper):
+                hyper = HyperScalars(values, _compute_dtype(p.dtype), p.device)
+                with _working_precision([p], [grad_values], [self.state[p]]) as (ps, gs, ss):
                     self._apply_sparse(group, ps[0], indices, gs[0], ss[0], non_slot, hyper)
             self._finish(group, non_slot, values)
 
 
+def _views_of(flat: Tensor, like: list[Tensor]) -> list[Tensor]:
+    """Consecutive views of ``flat`` shaped like ``like``."""
+    views, offset = [], 0
+    for t in like:
+        views.append(flat[offset : offset + t.numel()].view(t.shape))
+        offset += t.numel()
+    return views
+
+
+def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
+    return torch.float32 if dtype in _HALF_DTYPES else dtype
+
+
+def _chunks(bucket: list[tuple[Tensor, Tensor]]) -> Iterator[list[tuple[Tensor, Tensor]]]:
+    """Split a CPU bucket into runs of at most ``_CPU_CHUNK_BYTES`` of parameters (at least one each).
+
+    A foreach op streams its whole list through memory before the next op
+    starts; over a chunk that fits in cache the dozen ops of an update reuse
+    the data while it is hot (measured, Adam on 10M float32 parameters in 1000
+    tensors, one thread: 88 ms unchunked, 52 ms in 1-4 MiB chunks). Other
+    devices get the whole bucket: one kernel launch per op is what they want.
+    """
+    if bucket[0][1].device.type != "cpu":
+        yield bucket
+        return
+    start, size = 0, 0
+    for i, (_, p) in enumerate(bucket):
+        nbytes = p.numel() * p.element_size()
+        if size and size + nbytes > _CPU_CHUNK_BYTES:
+            yield bucket[start:i]
+            start, size = i, 0
+        size += nbytes
+    yield bucket[start:]
+
+
 @contextmanager
 def _working_precision(
-    params: list[Tensor], grads: list[Tensor], slots: list[dict[str, Tensor]], values: dict[str, Any]
-) -> Iterator[tuple[list[Tensor], list[Tensor], list[dict[str, Tensor]], HyperScalars]]:
-    """The tensors an update works on, and the hyperparameters in their dtype.
+    params: list[Tensor], grads: list[Tensor], slots: list[dict[str, Tensor]]
+) -> Iterator[tuple[list[Tensor], list[Tensor], list[dict[str, Tensor]]]]:
+    """The tensors an update works on: float32 working copies for half-precision parameters.
 
-    float16/bfloat16 parameters are updated through float32 working copies (of
-    parameter, gradient and slots) that are rounded back once when stored, as
-    torch's fused kernels do. TensorFlow instead casts the hyperparameters to
-    the half dtype, where ``bfloat16(1 - 0.999) == 0`` and ``float16(1e-8) == 0``:
-    its bfloat16 Adam never updates ``v``.
+    float16/bfloat16 parameters are updated through float32 copies (of
+    parameter, gradient and slots), with float32 hyperparameters, and rounded
+    back once when stored, as torch's fused kernels do. TensorFlow instead casts
+    the hyperparameters to the half dtype, where ``bfloat16(1 - 0.999) == 0`` and
+    ``float16(1e-8) == 0``: its bfloat16 Adam never updates ``v``.
     """
-    dtype, device = params[0].dtype, params[0].device
-    if dtype not in _HALF_DTYPES:
-        yield params, grads, slots, HyperScalars(values, dtype, device)
+    if params[0].dtype not in _HALF_DTYPES:
+        yield params, grads, slots
         return
     wide_params = [p.float() for p in params]
     wide_slots = [{k: v.float() for k, v in s.items()} for s in slots]
-    yield wide_params, [g.float() for g in grads], wide_slots, HyperScalars(values, torch.float32, device)
+    yield wide_params, [g.float() for g in grads], wide_slots
     for p, wide in zip(params, wide_params, strict=True):
         p.copy_(wide)
     for s, wide in zip(slots, wide_slots, strict=True):

@@ -113,6 +113,7 @@ class AdamOptimizer(Optimizer):
         return {"beta1_power": power(group["beta1"]), "beta2_power": power(group["beta2"])}
 
     def _apply_dense(self, group, params, grads, slots, non_slot, hyper):
+        foreach = self._use_foreach(group, params)
         adam(
             params,
             grads,
@@ -122,7 +123,8 @@ class AdamOptimizer(Optimizer):
             one_minus_beta1=hyper.one - hyper.beta1,
             one_minus_beta2=hyper.one - hyper.beta2,
             epsilon=hyper.epsilon,
-            foreach=self._use_foreach(group, params),
+            foreach=foreach,
+            scratch=self._scratch(params, 2) if foreach else None,
         )
 
     def _apply_sparse(self, group, p, indices, values, slots, non_slot, hyper):
@@ -153,10 +155,28 @@ def adam(
     one_minus_beta2: Tensor,
     epsilon: Tensor,
     foreach: bool,
+    scratch: list[list[Tensor]] | None = None,
 ) -> None:
-    """Functional form of :class:`AdamOptimizer`'s dense update (scalars already in the params' dtype)."""
-    impl = _multi_tensor_adam if foreach else _single_tensor_adam
-    impl(
+    """Functional form of :class:`AdamOptimizer`'s dense update (scalars in the params' dtype).
+
+    ``scratch``: two lists of tensors shaped like ``params`` for the foreach
+    path's temporaries (allocated here when None).
+    """
+    if not foreach:
+        _single_tensor_adam(
+            params,
+            grads,
+            ms,
+            vs,
+            alpha=alpha,
+            one_minus_beta1=one_minus_beta1,
+            one_minus_beta2=one_minus_beta2,
+            epsilon=epsilon,
+        )
+        return
+    if scratch is None:
+        scratch = [[torch.empty_like(p) for p in params] for _ in range(2)]
+    _multi_tensor_adam(
         params,
         grads,
         ms,
@@ -165,6 +185,7 @@ def adam(
         one_minus_beta1=one_minus_beta1,
         one_minus_beta2=one_minus_beta2,
         epsilon=epsilon,
+        scratch=scratch,
     )
 
 
@@ -175,21 +196,25 @@ def _single_tensor_adam(params, grads, ms, vs, *, alpha, one_minus_beta1, one_mi
         p.sub_((m * alpha).div_(v.sqrt().add_(epsilon)))  # 3. θ = θ - mα / (√v + ε̂)
 
 
-def _multi_tensor_adam(params, grads, ms, vs, *, alpha, one_minus_beta1, one_minus_beta2, epsilon):
-    # Each intermediate is one list, reused in place, so the extra memory is one
-    # copy of the gradients at a time.
-    tmp = torch._foreach_sub(grads, ms)
+def _multi_tensor_adam(params, grads, ms, vs, *, alpha, one_minus_beta1, one_minus_beta2, epsilon, scratch):
+    # Temporaries go into the two scratch lists (copy_ + in-place ops, no
+    # allocation). addcdiv_ with value=-1 rounds as θ - q: the product by -1 is exact.
+    tmp, denom = scratch
+    torch._foreach_copy_(tmp, grads)
+    torch._foreach_sub_(tmp, ms)
     torch._foreach_mul_(tmp, one_minus_beta1)
     torch._foreach_add_(ms, tmp)
-    tmp = torch._foreach_mul(grads, grads)
+    torch._foreach_copy_(tmp, grads)
+    torch._foreach_mul_(tmp, grads)
     torch._foreach_sub_(tmp, vs)
     torch._foreach_mul_(tmp, one_minus_beta2)
     torch._foreach_add_(vs, tmp)
-    denom = torch._foreach_sqrt(vs)
+    torch._foreach_copy_(denom, vs)
+    torch._foreach_sqrt_(denom)
     torch._foreach_add_(denom, epsilon)
-    tmp = torch._foreach_mul(ms, alpha)
-    torch._foreach_div_(tmp, denom)
-    torch._foreach_sub_(params, tmp)
+    torch._foreach_copy_(tmp, ms)
+    torch._foreach_mul_(tmp, alpha)
+    torch._foreach_addcdiv_(params, tmp, denom, value=-1)
 
 
 def _sparse_adam(p, indices, values, m, v, *, alpha, hyper):
