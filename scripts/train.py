@@ -21,11 +21,15 @@ and print the same numbers:
 from __future__ import annotations
 
 import argparse
+import contextlib
+import io
+import os
 import time
 from dataclasses import dataclass
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import Tensor, nn
 from torch.nn import functional as F
 
@@ -42,6 +46,7 @@ from torchgrad_compat.optim import (
     ProximalGradientDescentOptimizer,
     RMSPropOptimizer,
 )
+from torchgrad_compat.xla import CrossShardOptimizer
 
 # Hyperparameters that visibly train this model in the default 300 steps; the
 # others keep TensorFlow's defaults. Adadelta's TF defaults (learning_rate=0.001,
@@ -147,7 +152,17 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default="torch",
         help="torch: loss.backward(); opt.step().  tf: opt.minimize(loss, global_step=...)",
     )
+    parser.add_argument(
+        "--cross-shard",
+        action="store_true",
+        help="run under torchrun: each process trains on its share of every batch and "
+        "CrossShardOptimizer averages the gradients (gloo on CPU, nccl on CUDA)",
+    )
     args = parser.parse_args(argv)
+    if args.cross_shard and "RANK" not in os.environ:
+        parser.error(
+            "--cross-shard runs under torchrun: torchrun --nproc-per-node 2 scripts/train.py --cross-shard"
+        )
     if args.steps < 1:
         parser.error(f"--steps must be at least 1, got {args.steps}")
     if args.device == "cuda" and not torch.cuda.is_available():
@@ -163,7 +178,9 @@ def optimizer_settings(name: str, lr: float | None) -> tuple[type[Optimizer], di
     return cls, hyperparameters
 
 
-def describe_run(args: argparse.Namespace, opt: Optimizer, hyperparameters: dict[str, Any]) -> None:
+def describe_run(
+    args: argparse.Namespace, opt: torch.optim.Optimizer, hyperparameters: dict[str, Any]
+) -> None:
     how = "loss.backward(); opt.step()" if args.style == "torch" else "opt.minimize(loss, global_step)"
     arguments = ", ".join(f"{k}={v}" for k, v in hyperparameters.items())
     num_params = sum(p.numel() for group in opt.param_groups for p in group["params"])
@@ -183,11 +200,17 @@ def train(args: argparse.Namespace) -> None:
     if args.device == "cpu":
         torch.set_num_threads(1)  # the model is tiny: more threads only add synchronisation
     device = torch.device(args.device)
-    torch.manual_seed(args.seed)
+    rank, world = (dist.get_rank(), dist.get_world_size()) if args.cross_shard else (0, 1)
+    if args.cross_shard and args.device == "cuda":
+        device = torch.device("cuda", int(os.environ["LOCAL_RANK"]))
+        torch.cuda.set_device(device)
+    torch.manual_seed(args.seed)  # the same initial parameters on every rank
     train_set, held_out = (data.to(device) for data in make_datasets(args.seed))
     model = Classifier().to(device)
     cls, hyperparameters = optimizer_settings(args.optimizer, args.lr)
     opt = cls(model.parameters(), **hyperparameters)
+    if args.cross_shard:
+        opt = CrossShardOptimizer(opt)  # reduction="mean": the gradient of the whole batch
     global_step = torch.zeros((), dtype=torch.int64, device=device)  # TF style only
     batches = torch.Generator().manual_seed(args.seed + 1)
     describe_run(args, opt, hyperparameters)
@@ -198,7 +221,7 @@ def train(args: argparse.Namespace) -> None:
     start = time.perf_counter()
     for step in range(1, args.steps + 1):
         index = torch.randint(TRAIN_SIZE, (BATCH_SIZE,), generator=batches).to(device)
-        batch = train_set.batch(index)
+        batch = train_set.batch(index[rank::world])  # this rank's share of the batch
         if args.style == "torch":
             opt.zero_grad()
             loss_on(model, batch).backward()
@@ -219,7 +242,17 @@ def train(args: argparse.Namespace) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
-    train(parse_args(argv))
+    args = parse_args(argv)
+    if not args.cross_shard:
+        train(args)
+        return
+    dist.init_process_group("nccl" if args.device == "cuda" else "gloo")  # torchrun's env://
+    try:
+        # Every rank holds the same parameters, so only rank 0 prints.
+        with contextlib.redirect_stdout(io.StringIO()) if dist.get_rank() else contextlib.nullcontext():
+            train(args)
+    finally:
+        dist.destroy_process_group()
 
 
 if __name__ == "__main__":

@@ -1,6 +1,6 @@
 """torchgrad_compat: TensorFlow v1's training stack rebuilt natively on PyTorch."""
 
-from . import optim
+from . import optim, xla
 from .gradients import AggregationMethod, UnconnectedGradients, gradients, hessian_vector_product, hessians
 
 __all__ = [
@@ -10,5 +10,6 @@ __all__ = [
     "hessian_vector_product",
     "hessians",
     "optim",
+    "xla",
 ]
 __version__ = "0.1.0"

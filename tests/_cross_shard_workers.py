@@ -1,0 +1,438 @@
+"""The rank side of tests/test_cross_shard.py: checks that run inside every spawned process.
+
+``run_checks`` joins a gloo process group on 127.0.0.1, runs the named checks in
+order and reports ``(check, rank, traceback or None)`` for each. A check runs on
+every rank and compares against a single-process reference computed in the same
+process, so the parent only collects verdicts.
+"""
+
+from __future__ import annotations
+
+import copy
+import io
+import os
+import traceback
+from collections.abc import Callable
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+
+import torchgrad_compat.optim as tgo
+from torchgrad_compat.xla import CrossShardOptimizer
+
+STEPS = 3
+LOCAL_BATCH = 4
+TOKENS = 12
+
+
+class Net(nn.Module):
+    """A sparse embedding and two dense layers: dense and row-sparse gradients in one model."""
+
+    def __init__(self, dtype: torch.dtype, seed: int = 0):
+        super().__init__()
+        torch.manual_seed(seed)
+        self.embedding = nn.Embedding(TOKENS, 3, sparse=True, dtype=dtype)
+        self.hidden = nn.Linear(5, 6, dtype=dtype)
+        self.out = nn.Linear(6, 1, dtype=dtype)
+
+    def forward(self, tokens: Tensor, x: Tensor) -> Tensor:
+        return self.out(torch.tanh(self.hidden(torch.cat([self.embedding(tokens), x], dim=1))))
+
+
+def _global_batch(step: int, world: int, dtype: torch.dtype) -> tuple[Tensor, Tensor, Tensor]:
+    gen = torch.Generator().manual_seed(1000 + step)
+    n = world * LOCAL_BATCH
+    tokens = torch.randint(TOKENS, (n,), generator=gen)
+    x = torch.randn(n, 2, generator=gen, dtype=torch.float64).to(dtype)
+    y = torch.randn(n, 1, generator=gen, dtype=torch.float64).to(dtype)
+    return tokens, x, y
+
+
+def _shard_loss(model: Net, batch: tuple[Tensor, Tensor, Tensor], rank: int) -> Tensor:
+    """Mean squared error over rank ``rank``'s slice of the global batch."""
+    rows = slice(rank * LOCAL_BATCH, (rank + 1) * LOCAL_BATCH)
+    tokens, x, y = (t[rows] for t in batch)
+    return (model(tokens, x) - y).pow(2).mean()
+
+
+def _members(rank: int, world: int, group_assignment: list[list[int]] | None) -> list[int]:
+    if group_assignment is None:
+        return list(range(world))
+    return next(sorted(g) for g in group_assignment if rank in g)
+
+
+def _gather_flat(model: nn.Module) -> list[Tensor]:
+    flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+    out = [torch.empty_like(flat) for _ in range(dist.get_world_size())]
+    dist.all_gather(out, flat)
+    return out
+
+
+def _tol(dtype: torch.dtype) -> dict[str, float]:
+    # Summation order differs from the single-process reference (per-shard sums, then across ranks).
+    return {"rtol": 1e-10, "atol": 1e-12} if dtype == torch.float64 else {"rtol": 1e-5, "atol": 1e-6}
+
+
+def _dense(g: Tensor) -> Tensor:
+    return g.to_dense() if g.is_sparse else g
+
+
+OPTIMIZERS: dict[str, Callable[[Any], torch.optim.Optimizer]] = {
+    "tf_adam": lambda params: tgo.AdamOptimizer(params, learning_rate=0.05),
+    "tf_momentum": lambda params: tgo.MomentumOptimizer(params, learning_rate=0.1, momentum=0.9),
+    "torch_adagrad": lambda params: torch.optim.Adagrad(params, lr=0.1),
+    "torch_sgd": lambda params: torch.optim.SGD(params, lr=0.1),
+}
+
+
+def _train_against_reference(
+    rank: int,
+    world: int,
+    *,
+    optimizer: str,
+    reduction: str,
+    style: str,
+    group_assignment: list[list[int]] | None = None,
+    dtype: torch.dtype = torch.float64,
+) -> None:
+    """``STEPS`` steps on this rank's shard == one process on the (sub)group's full batch, every step."""
+    model = Net(dtype)
+    reference = copy.deepcopy(model)
+    make = OPTIMIZERS[optimizer]
+    opt = CrossShardOptimizer(
+        make(model.parameters()), reduction=reduction, group_assignment=group_assignment
+    )
+    ref_opt = make(reference.parameters())
+    members = _members(rank, world, group_assignment)
+    tol = _tol(dtype)
+    where = f"{optimizer}/{reduction}/{style}/{group_assignment}/{dtype} on rank {rank}"
+    for step in range(STEPS):
+        batch = _global_batch(step, world, dtype)
+        ref_loss = sum(_shard_loss(reference, batch, m) for m in members)
+        if reduction == "mean":
+            ref_loss = ref_loss / len(members)
+        ref_opt.zero_grad()
+        ref_loss.backward()
+        if style == "minimize":
+            opt.minimize(lambda: _shard_loss(model, batch, rank))  # noqa: B023 (called at once)
+        else:
+            opt.zero_grad()
+            _shard_loss(model, batch, rank).backward()
+            # The reduction happened in backward: p.grad is already the (sub)group's gradient.
+            for p, q in zip(model.parameters(), reference.parameters()):
+                torch.testing.assert_close(_dense(p.grad), _dense(q.grad), **tol, msg=f"grad, {where}")
+            opt.step()
+        ref_opt.step()
+        for p, q in zip(model.parameters(), reference.parameters()):
+            torch.testing.assert_close(p.detach(), q.detach(), **tol, msg=f"step {step}, {where}")
+    everyone = _gather_flat(model)
+    for m in members:
+        assert torch.equal(everyone[m], everyone[rank]), f"rank {m} and rank {rank} differ bitwise, {where}"
+
+
+# ---------------------------------------------------------------- checks
+def check_full_batch_equivalence(rank: int, world: int) -> None:
+    for reduction in ("mean", "sum"):
+        for style in ("minimize", "step"):
+            for optimizer in ("tf_adam", "torch_adagrad"):
+                _train_against_reference(rank, world, optimizer=optimizer, reduction=reduction, style=style)
+    _train_against_reference(
+        rank, world, optimizer="tf_adam", reduction="mean", style="step", dtype=torch.float32
+    )
+
+
+def check_subgroups_full_batch_equivalence(rank: int, world: int) -> None:
+    groups = [[0, 1], [2, 3]]
+    for reduction in ("mean", "sum"):
+        for style in ("minimize", "step"):
+            for optimizer in ("tf_momentum", "torch_sgd"):
+                _train_against_reference(
+                    rank,
+                    world,
+                    optimizer=optimizer,
+                    reduction=reduction,
+                    style=style,
+                    group_assignment=groups,
+                )
+
+
+def check_subgroup_divisor(rank: int, world: int) -> None:
+    """Rank r's gradient is r + 1: the sums and means of the probe in reliability.md (1.5 and 3.5)."""
+    cases = [
+        (None, "sum", [10.0] * 4),
+        (None, "mean", [2.5] * 4),
+        ([[0, 1], [2, 3]], "sum", [3.0, 3.0, 7.0, 7.0]),
+        ([[0, 1], [2, 3]], "mean", [1.5, 1.5, 3.5, 3.5]),
+        ([[3, 0], [1, 2]], "mean", [2.5, 2.5, 2.5, 2.5]),
+        ([[0, 2], [1, 3]], "sum", [4.0, 6.0, 4.0, 6.0]),
+    ]
+    for groups, reduction, expected in cases:
+        for style in ("minimize", "step"):
+            w = nn.Parameter(torch.zeros(3))
+            opt = CrossShardOptimizer(
+                tgo.GradientDescentOptimizer([w], 1.0), reduction, group_assignment=groups
+            )
+            loss = (rank + 1.0) * w.sum()
+            if style == "minimize":
+                opt.minimize(loss)
+            else:
+                loss.backward()
+                opt.step()
+            want = torch.full((3,), -expected[rank])
+            assert torch.equal(w.detach(), want), (groups, reduction, style, w, want)
+
+
+def check_missing_gradients(rank: int, world: int) -> None:
+    """A gradient on rank 0 only: updated identically everywhere. No gradient anywhere: untouched."""
+    for style in ("minimize", "step"):
+        w = nn.Parameter(torch.ones(2))
+        only_rank0 = nn.Parameter(torch.ones(2))
+        unused = nn.Parameter(torch.ones(2))
+        opt = CrossShardOptimizer(tgo.AdamOptimizer([w, only_rank0, unused], learning_rate=0.5), "sum")
+        loss = w.sum() + (3.0 * only_rank0.sum() if rank == 0 else 0.0)
+        if style == "minimize":
+            opt.minimize(loss)
+        else:
+            loss.backward()
+            assert torch.equal(only_rank0.grad, torch.full((2,), 3.0)), only_rank0.grad
+            assert unused.grad is None
+            opt.step()
+        # Adam's first step moves every coordinate with a nonzero gradient by learning_rate.
+        assert torch.allclose(w.detach(), torch.full((2,), 0.5)), w
+        assert torch.allclose(only_rank0.detach(), torch.full((2,), 0.5)), (style, only_rank0)
+        assert torch.equal(unused.detach(), torch.ones(2)) and opt.get_slot(unused, "m") is None
+        assert opt.get_slot(only_rank0, "m") is not None
+
+
+def check_add_param_group(rank: int, world: int) -> None:
+    """A group added later is checked across ranks and reduced like the first ones (sum: 1 + 2 = 3)."""
+    first, later = nn.Parameter(torch.zeros(2)), nn.Parameter(torch.zeros(3))
+    opt = CrossShardOptimizer(torch.optim.SGD([first], lr=1.0), "sum")
+    opt.add_param_group({"params": later, "lr": 0.5})
+    ((rank + 1.0) * (first.sum() + later.sum())).backward()
+    opt.step()
+    total = world * (world + 1) / 2
+    assert torch.equal(first.detach(), torch.full((2,), -total)), first
+    assert torch.equal(later.detach(), torch.full((3,), -0.5 * total)), later
+    shape = (4,) if rank == 0 else (5,)
+    _expect_error(
+        RuntimeError,
+        ["parameter 2", "param group 2, index 0", "shape (4,)", "shape (5,)"],
+        lambda: opt.add_param_group({"params": [nn.Parameter(torch.zeros(shape))]}),
+    )
+    assert len(opt.param_groups) == 2  # nothing was added
+
+
+def check_sparse_and_dense_mixed(rank: int, world: int) -> None:
+    """Rank 0 hands a sparse gradient, the others a dense one, for the same variable: a dense sum."""
+    p = nn.Parameter(torch.zeros(4, 2))
+    opt = CrossShardOptimizer(tgo.GradientDescentOptimizer([p], 1.0), "sum")
+    if rank == 0:
+        grad = torch.sparse_coo_tensor(torch.tensor([[1, 3, 1]]), torch.ones(3, 2), (4, 2))
+    else:
+        grad = torch.full((4, 2), float(rank))
+    opt.apply_gradients([(grad, p)])
+    others = sum(range(1, world))
+    want = -torch.tensor([[0.0, 0.0], [2.0, 2.0], [0.0, 0.0], [1.0, 1.0]]) - others
+    assert torch.equal(p.detach(), want), p
+
+
+def check_few_collectives(rank: int, world: int) -> None:
+    """200 parameter tensors travel in one bucket: one all-reduce, started inside backward()."""
+    model = nn.Sequential(*[nn.Linear(4, 4) for _ in range(100)])
+    opt = CrossShardOptimizer(torch.optim.SGD(model.parameters(), lr=0.01))
+    calls = []
+    all_reduce = dist.all_reduce
+
+    def counting(*args: Any, **kwargs: Any) -> Any:
+        calls.append(args[0].numel())
+        return all_reduce(*args, **kwargs)
+
+    dist.all_reduce = counting
+    try:
+        model(torch.randn(2, 4)).sum().backward()
+        in_backward = len(calls)
+        opt.step()
+        after_step = len(calls)
+        opt.minimize(model(torch.randn(2, 4)).sum())
+        in_minimize = len(calls) - after_step
+    finally:
+        dist.all_reduce = all_reduce
+    assert (in_backward, after_step, in_minimize) == (1, 1, 1), (calls, in_backward, after_step, in_minimize)
+    # The bucket holds every gradient and two presence counters per tensor.
+    assert calls[0] == sum(p.numel() for p in model.parameters()) + 2 * 200, calls
+
+
+def check_accumulation(rank: int, world: int) -> None:
+    """no_sync() for all but the last micro-batch; a second backward with "sum" raises on every rank."""
+    for reduction in ("mean", "sum"):
+        model = Net(torch.float64)
+        reference = copy.deepcopy(model)
+        opt = CrossShardOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), reduction)
+        ref_opt = torch.optim.SGD(reference.parameters(), lr=0.1)
+        first, second = _global_batch(0, world, torch.float64), _global_batch(1, world, torch.float64)
+        with opt.no_sync():
+            _shard_loss(model, first, rank).backward()
+        _shard_loss(model, second, rank).backward()
+        opt.step()
+        ref_loss = sum(_shard_loss(reference, b, m) for b in (first, second) for m in range(world))
+        (ref_loss / world if reduction == "mean" else ref_loss).backward()
+        ref_opt.step()
+        for p, q in zip(model.parameters(), reference.parameters()):
+            torch.testing.assert_close(p.detach(), q.detach(), rtol=1e-10, atol=1e-12)
+        opt.zero_grad()
+        _shard_loss(model, first, rank).backward()
+        if reduction == "sum":
+            try:
+                _shard_loss(model, second, rank).backward()
+            except RuntimeError as error:
+                assert "no_sync" in str(error), error
+            else:
+                raise AssertionError("a second backward pass with reduction='sum' did not raise")
+        else:
+            # DDP's semantics: each pass reduces what p.grad holds, which adds up to the mean of both.
+            _shard_loss(model, second, rank).backward()
+            reference.zero_grad()
+            both = sum(_shard_loss(reference, b, m) for b in (first, second) for m in range(world))
+            (both / world).backward()
+            for p, q in zip(model.parameters(), reference.parameters()):
+                torch.testing.assert_close(_dense(p.grad), _dense(q.grad), rtol=1e-10, atol=1e-12)
+        opt.zero_grad()
+
+
+def check_state_dict_resume(rank: int, world: int) -> None:
+    """Save after 2 steps, load into a fresh wrapper around a fresh optimizer, continue: bitwise equal."""
+    model, twin = Net(torch.float64), Net(torch.float64)
+    opt = CrossShardOptimizer(tgo.AdamOptimizer(model.parameters(), learning_rate=0.05))
+    for step in range(2):
+        opt.minimize(_shard_loss(model, _global_batch(step, world, torch.float64), rank))
+    twin.load_state_dict(model.state_dict())
+    resumed = CrossShardOptimizer(tgo.AdamOptimizer(twin.parameters(), learning_rate=0.05))
+    saved = io.BytesIO()
+    torch.save(opt.state_dict(), saved)
+    saved.seek(0)
+    resumed.load_state_dict(torch.load(saved, weights_only=True))
+    assert set(opt.state_dict()) == {"optimizer"}
+    for step in range(2, 4):
+        batch = _global_batch(step, world, torch.float64)
+        opt.minimize(_shard_loss(model, batch, rank))
+        resumed.minimize(_shard_loss(twin, batch, rank))
+    for p, q in zip(model.parameters(), twin.parameters()):
+        assert torch.equal(p, q)
+    for p in model.parameters():
+        assert opt.get_slot(p, "m") is opt.inner_optimizer.get_slot(p, "m")
+    assert opt.get_slot_names() == ["m", "v"] and len(opt.variables()) == 2 * 5 + 2
+
+
+def _expect_error(kind: type[Exception], words: list[str], build: Callable[[], Any]) -> None:
+    try:
+        build()
+    except kind as error:
+        for word in words:
+            assert word in str(error), (word, str(error))
+    else:
+        raise AssertionError(f"expected {kind.__name__} mentioning {words}")
+
+
+def check_mismatched_parameters(rank: int, world: int) -> None:
+    """Different parameters or settings on one rank: the same clear RuntimeError on every rank."""
+    last = world - 1
+    extra = [nn.Parameter(torch.zeros(2))] if rank == last else []
+    params = [nn.Parameter(torch.zeros(4, 3)), nn.Parameter(torch.zeros(5)), *extra]
+    _expect_error(
+        RuntimeError,
+        ["rank 0 has 2 parameters", f"rank {last} has 3", "parameter 2", "shape (2,)"],
+        lambda: CrossShardOptimizer(torch.optim.SGD(params, lr=0.1)),
+    )
+    shape = (5,) if rank == last else (6,)
+    params = [nn.Parameter(torch.zeros(4, 3)), nn.Parameter(torch.zeros(shape))]
+    _expect_error(
+        RuntimeError,
+        ["parameter 1", f"rank {last}", "shape (5,)", "shape (6,)", "param group 0, index 1"],
+        lambda: CrossShardOptimizer(tgo.AdamOptimizer(params)),
+    )
+    dtype = torch.float64 if rank == last else torch.float32
+    params = [nn.Parameter(torch.zeros(3, dtype=dtype))]
+    _expect_error(
+        RuntimeError,
+        ["parameter 0", "float64", "float32"],
+        lambda: CrossShardOptimizer(tgo.AdamOptimizer(params)),
+    )
+    reduction = "sum" if rank == last else "mean"
+    params = [nn.Parameter(torch.zeros(3))]
+    _expect_error(
+        RuntimeError,
+        ["reduction differs", f"'sum' on rank {last}"],
+        lambda: CrossShardOptimizer(tgo.AdamOptimizer(params), reduction),
+    )
+    # The process group is intact: nothing was left half-issued.
+    ok = torch.ones(1)
+    dist.all_reduce(ok)
+    assert ok.item() == world
+
+
+def check_mismatched_group_assignment(rank: int, world: int) -> None:
+    groups = [[0, 1], [2, 3]] if rank == 0 else [[0, 2], [1, 3]]
+    params = [nn.Parameter(torch.zeros(3))]
+    _expect_error(
+        RuntimeError,
+        ["group_assignment differs", "[[0, 1], [2, 3]] on rank 0", "[[0, 2], [1, 3]] on rank 1"],
+        lambda: CrossShardOptimizer(torch.optim.SGD(params, lr=0.1), group_assignment=groups),
+    )
+
+
+def check_invalid_arguments_before_any_collective(rank: int, world: int) -> None:
+    """Bad arguments raise on every rank before any collective (the group stays usable)."""
+    params = [nn.Parameter(torch.zeros(3))]
+    too_many = [list(range(world)), [world, world + 1]]
+    cases = [
+        (
+            ValueError,
+            "range(" + str(world) + ")",
+            [[0, 1], [2, 3], [3, 3]] if world == 4 else [[0, 0], [1, 1]],
+        ),
+        (ValueError, "range(" + str(world) + ")", too_many),
+        (ValueError, "must be equal", [[0], list(range(1, world))]),
+        (TypeError, "list of lists", list(range(world))),
+        (TypeError, "integer ranks", [[float(r) for r in range(world)]]),
+    ]
+    for kind, word, groups in cases:
+        _expect_error(
+            kind,
+            [word, repr(groups)],
+            lambda: CrossShardOptimizer(tgo.AdamOptimizer(params), group_assignment=groups),  # noqa: B023
+        )
+    _expect_error(ValueError, ["'max'"], lambda: CrossShardOptimizer(tgo.AdamOptimizer(params), "max"))
+    ok = torch.ones(1)
+    dist.all_reduce(ok)
+    assert ok.item() == world
+
+
+CHECKS: dict[str, Callable[[int, int], None]] = {
+    name.removeprefix("check_"): fn for name, fn in globals().items() if name.startswith("check_")
+}
+
+
+def run_checks(rank: int, world: int, port: int, names: list[str], results: Any) -> None:
+    """Entry point of a spawned rank: one gloo group on 127.0.0.1, then every named check."""
+    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    torch.set_num_threads(1)
+    dist.init_process_group(
+        "gloo",
+        init_method=f"tcp://127.0.0.1:{port}",
+        rank=rank,
+        world_size=world,
+        timeout=timedelta(seconds=30),
+    )
+    try:
+        for name in names:
+            try:
+                CHECKS[name](rank, world)
+                results.put((name, rank, None))
+            except Exception:
+                results.put((name, rank, traceback.format_exc()))
+    finally:
+        dist.destroy_process_group()
