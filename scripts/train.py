@@ -3,6 +3,8 @@
     python scripts/train.py                               # Adam, 300 steps, CPU
     python scripts/train.py --optimizer ftrl --style tf   # TF style: opt.minimize(loss)
     python scripts/train.py --optimizer momentum --lr 0.05 --steps 1000 --device cuda
+    python scripts/train.py --loss-scale dynamic          # autocast + LossScaleOptimizer
+    torchrun --nproc-per-node 2 scripts/train.py --cross-shard   # CrossShardOptimizer, gloo
 
 The data are synthetic, generated from ``--seed`` (nothing is downloaded): every
 example has 16 dense features and one token out of 100, and its label (one of 4
@@ -23,6 +25,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import io
+import math
 import os
 import time
 from dataclasses import dataclass
@@ -33,6 +36,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 from torch.nn import functional as F
 
+from torchgrad_compat.amp import LossScaleOptimizer
 from torchgrad_compat.optim import (
     AdadeltaOptimizer,
     AdagradDAOptimizer,
@@ -158,7 +162,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="run under torchrun: each process trains on its share of every batch and "
         "CrossShardOptimizer averages the gradients (gloo on CPU, nccl on CUDA)",
     )
+    parser.add_argument(
+        "--loss-scale",
+        default="none",
+        help="none, dynamic, or a fixed number >= 1: wrap the optimizer in LossScaleOptimizer and "
+        "compute the loss under torch.autocast (bfloat16 on CPU, float16 on CUDA)",
+    )
     args = parser.parse_args(argv)
+    args.loss_scale = _loss_scale(parser, args.loss_scale)
     if args.cross_shard and "RANK" not in os.environ:
         parser.error(
             "--cross-shard runs under torchrun: torchrun --nproc-per-node 2 scripts/train.py --cross-shard"
@@ -168,6 +179,18 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if args.device == "cuda" and not torch.cuda.is_available():
         parser.error("--device cuda was requested but torch.cuda.is_available() is False")
     return args
+
+
+def _loss_scale(parser: argparse.ArgumentParser, value: str) -> str | float | None:
+    if value in ("none", "dynamic"):
+        return None if value == "none" else value
+    try:
+        number = float(value)
+    except ValueError:
+        number = math.nan
+    if not number >= 1 or math.isinf(number):
+        parser.error(f"--loss-scale must be none, dynamic or a finite number >= 1, got {value!r}")
+    return number
 
 
 def optimizer_settings(name: str, lr: float | None) -> tuple[type[Optimizer], dict[str, Any]]:
@@ -196,6 +219,13 @@ def describe_run(
     )
 
 
+def mixed_precision(args: argparse.Namespace, device: torch.device) -> contextlib.AbstractContextManager:
+    """torch.autocast when loss scaling is on: bfloat16 on CPU, float16 on CUDA."""
+    if args.loss_scale is None:
+        return contextlib.nullcontext()
+    return torch.autocast(device.type, dtype=torch.bfloat16 if device.type == "cpu" else torch.float16)
+
+
 def train(args: argparse.Namespace) -> None:
     if args.device == "cpu":
         torch.set_num_threads(1)  # the model is tiny: more threads only add synchronisation
@@ -211,6 +241,8 @@ def train(args: argparse.Namespace) -> None:
     opt = cls(model.parameters(), **hyperparameters)
     if args.cross_shard:
         opt = CrossShardOptimizer(opt)  # reduction="mean": the gradient of the whole batch
+    if args.loss_scale is not None:
+        opt = LossScaleOptimizer(opt, args.loss_scale)  # around everything: every rank skips together
     global_step = torch.zeros((), dtype=torch.int64, device=device)  # TF style only
     batches = torch.Generator().manual_seed(args.seed + 1)
     describe_run(args, opt, hyperparameters)
@@ -222,12 +254,14 @@ def train(args: argparse.Namespace) -> None:
     for step in range(1, args.steps + 1):
         index = torch.randint(TRAIN_SIZE, (BATCH_SIZE,), generator=batches).to(device)
         batch = train_set.batch(index[rank::world])  # this rank's share of the batch
+        with mixed_precision(args, device):
+            loss = loss_on(model, batch)
         if args.style == "torch":
             opt.zero_grad()
-            loss_on(model, batch).backward()
+            (opt.get_scaled_loss(loss) if args.loss_scale is not None else loss).backward()
             opt.step()
         else:
-            opt.minimize(loss_on(model, batch), global_step=global_step)
+            opt.minimize(loss, global_step=global_step)  # LossScaleOptimizer scales it itself
         if step % log_every == 0 or step == args.steps:
             last_loss, accuracy = evaluate(model, train_set)
             print(f"step {step:>5}  training loss {last_loss:.4f}  training accuracy {accuracy:6.1%}")
@@ -235,6 +269,8 @@ def train(args: argparse.Namespace) -> None:
 
     _, held_out_accuracy = evaluate(model, held_out)
     counted = f" (global_step {int(global_step)})" if args.style == "tf" else ""
+    if args.loss_scale is not None:
+        counted += f", final loss scale {float(opt.loss_scale()):g}"
     print(
         f"done: {cls.__name__}, {args.steps} steps{counted} in {seconds:.2f} s: training loss "
         f"{first_loss:.4f} -> {last_loss:.4f}, held-out accuracy {held_out_accuracy:.1%}"

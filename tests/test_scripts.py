@@ -14,12 +14,16 @@ SUMMARY = re.compile(r"^done: .* training loss (\d+\.\d+) -> (\d+\.\d+), held-ou
 
 
 # Adam: the dense rule and its non-lazy sparse rule, torch style; Ftrl: a variable
-# computed from its accumulators, with l1, TF style. Each run costs ~3 s, mostly
-# importing torch, so two are enough here; tests/ covers every optimizer.
-@pytest.mark.parametrize(("optimizer", "style"), [("adam", "torch"), ("ftrl", "tf")])
-def test_train_script_reduces_loss(optimizer: str, style: str) -> None:
+# computed from its accumulators, with l1, TF style; Momentum under bfloat16 autocast
+# with dynamic loss scaling. Each run costs ~3 s, mostly importing torch, so three
+# are enough here; tests/ covers every optimizer.
+@pytest.mark.parametrize(
+    ("optimizer", "style", "extra"),
+    [("adam", "torch", []), ("ftrl", "tf", []), ("momentum", "torch", ["--loss-scale", "dynamic"])],
+)
+def test_train_script_reduces_loss(optimizer: str, style: str, extra: list[str]) -> None:
     result = subprocess.run(
-        [sys.executable, str(TRAIN), "--optimizer", optimizer, "--style", style, "--steps", "30"],
+        [sys.executable, str(TRAIN), "--optimizer", optimizer, "--style", style, "--steps", "30", *extra],
         capture_output=True,
         text=True,
         timeout=60,

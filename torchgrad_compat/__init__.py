@@ -1,11 +1,12 @@
 """torchgrad_compat: TensorFlow v1's training stack rebuilt natively on PyTorch."""
 
-from . import optim, xla
+from . import amp, optim, xla
 from .gradients import AggregationMethod, UnconnectedGradients, gradients, hessian_vector_product, hessians
 
 __all__ = [
     "AggregationMethod",
     "UnconnectedGradients",
+    "amp",
     "gradients",
     "hessian_vector_product",
     "hessians",

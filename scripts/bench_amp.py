@@ -1,0 +1,196 @@
+"""Time what loss scaling adds to an optimizer step: LossScaleOptimizer beside torch.amp.GradScaler.
+
+    python scripts/bench_amp.py --quick
+    python scripts/bench_amp.py --workload 10M --repeats 30
+    python scripts/bench_amp.py --device cuda --workload 100M
+
+For every inner optimizer three copies of the same parameters take steps, each
+with its own copy of the same gradients:
+
+- bare: ``opt.step()`` on the gradients;
+- LossScaleOptimizer: ``LossScaleOptimizer(opt, "dynamic").step()`` on the
+  gradients times ``2**15`` (unscale in place with the fused check, update the
+  scale on device, one host sync, the inner step);
+- GradScaler: ``scaler.step(opt); scaler.update()`` on the same scaled
+  gradients (``torch.amp.GradScaler(init_scale=2**15)``).
+
+Unscaling rewrites the gradients, so they are restored before every step,
+outside the timed region. The three are timed in turn within each repeat, in
+an order that rotates from one repeat to the next, so that load from other
+processes falls on all of them alike; the table gives the median milliseconds
+per step and the overhead over the bare step. The output is a Markdown table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from torchgrad_compat.amp import LossScaleOptimizer
+from torchgrad_compat.optim.adam import AdamOptimizer
+
+SCALE = 2.0**15
+# name -> (number of tensors, elements per tensor)
+WORKLOADS: dict[str, tuple[int, int]] = {
+    "1M": (100, 10_000),
+    "10M": (200, 50_000),
+    "100M": (200, 500_000),
+}
+# The issue's target for the LossScaleOptimizer overhead.
+TARGET = 0.10
+
+# An inner optimizer: a factory over (params, device).
+Factory = Callable[[list[Tensor]], torch.optim.Optimizer]
+INNER: dict[str, Factory] = {
+    "AdamOptimizer (ours, foreach)": lambda ps: AdamOptimizer(ps, foreach=True),
+    "torch Adam (foreach)": lambda ps: torch.optim.Adam(ps, foreach=True),
+    "torch Adam (fused)": lambda ps: torch.optim.Adam(ps, fused=True),
+    "torch SGD (foreach)": lambda ps: torch.optim.SGD(ps, lr=0.01, foreach=True),
+}
+
+
+@dataclass
+class Row:
+    inner: str
+    bare: float
+    loss_scale_optimizer: float
+    grad_scaler: float
+
+
+class Runner:
+    """One optimizer over its own parameter copies, with the gradients restored before each step."""
+
+    def __init__(self, params: list[Tensor], grads: list[Tensor], factory: Factory, scaling: str):
+        self.params = [p.clone().requires_grad_() for p in params]
+        scale = 1.0 if scaling == "bare" else SCALE
+        self.saved = [g * scale for g in grads]
+        for p, g in zip(self.params, self.saved):
+            p.grad = g.clone()
+        inner = factory(self.params)
+        self.scaler = None
+        if scaling == "loss_scale_optimizer":
+            self.opt: torch.optim.Optimizer = LossScaleOptimizer(inner, "dynamic")
+        else:
+            self.opt = inner
+            if scaling == "grad_scaler":
+                self.scaler = torch.amp.GradScaler(params[0].device.type, init_scale=SCALE)
+                # GradScaler creates its scale in the first scale(loss); the gradients here are given.
+                self.scaler.scale(torch.ones((), device=params[0].device))
+
+    def restore(self) -> None:
+        torch._foreach_copy_([p.grad for p in self.params], self.saved)
+
+    def step(self) -> None:
+        if self.scaler is None:
+            self.opt.step()
+        else:
+            self.scaler.step(self.opt)
+            self.scaler.update()
+
+
+def make_tensors(workload: str, device: torch.device, seed: int) -> tuple[list[Tensor], list[Tensor]]:
+    count, size = WORKLOADS[workload]
+    gen = torch.Generator().manual_seed(seed)
+    params = [torch.randn(size, generator=gen).to(device) for _ in range(count)]
+    grads = [torch.randn(size, generator=gen).mul_(1e-3).to(device) for _ in range(count)]
+    return params, grads
+
+
+def time_steps(runners: list[Runner], warmup: int, repeats: int, device: torch.device) -> list[float]:
+    """Median ms per step of each runner, stepping them in turn in every repeat.
+
+    The order rotates from one repeat to the next: the runner that goes first
+    after another's step measurably pays for it on a loaded CPU.
+    """
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    times: list[list[float]] = [[] for _ in runners]
+    for repeat in range(warmup + repeats):
+        for i in range(len(runners)):
+            runner, samples = runners[(i + repeat) % len(runners)], times[(i + repeat) % len(runners)]
+            runner.restore()
+            sync()
+            start = time.perf_counter()
+            runner.step()
+            sync()
+            if repeat >= warmup:
+                samples.append((time.perf_counter() - start) * 1e3)
+    return [statistics.median(samples) for samples in times]
+
+
+def bench(name: str, params: list[Tensor], grads: list[Tensor], args: argparse.Namespace) -> Row:
+    factory = INNER[name]
+    runners = [
+        Runner(params, grads, factory, scaling) for scaling in ("bare", "loss_scale_optimizer", "grad_scaler")
+    ]
+    return Row(name, *time_steps(runners, args.warmup, args.repeats, args.device))
+
+
+def format_table(rows: list[Row]) -> str:
+    def overhead(t: float, bare: float, flag: bool) -> str:
+        text = f"{(t / bare - 1) * 100:+.1f}%"
+        return f"**{text}**" if flag and t / bare - 1 > TARGET else text
+
+    lines = [
+        "| inner optimizer | bare step | LossScaleOptimizer | overhead | GradScaler | overhead |",
+        "|---|---:|---:|---:|---:|---:|",
+    ]
+    for r in rows:
+        lines.append(
+            f"| {r.inner} | {r.bare:.2f} | {r.loss_scale_optimizer:.2f} "
+            f"| {overhead(r.loss_scale_optimizer, r.bare, flag=True)} | {r.grad_scaler:.2f} "
+            f"| {overhead(r.grad_scaler, r.bare, flag=False)} |"
+        )
+    return "\n".join(lines)
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--inner", nargs="+", choices=list(INNER), default=list(INNER))
+    parser.add_argument("--workload", nargs="+", choices=list(WORKLOADS), default=["10M"])
+    parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
+    parser.add_argument("--repeats", type=int, default=30, help="timed steps per variant")
+    parser.add_argument("--warmup", type=int, default=5, help="untimed steps first")
+    parser.add_argument("--quick", action="store_true", help="1M parameters, 3 warm-up and 10 timed steps")
+    parser.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (CPU)")
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args(argv)
+    if args.quick:
+        args.warmup, args.repeats, args.workload = 3, 10, ["1M"]
+    if args.repeats < 1 or args.warmup < 0:
+        parser.error(f"--repeats must be >= 1 and --warmup >= 0, got {args.repeats} and {args.warmup}")
+    if args.threads is not None and args.threads < 1:
+        parser.error(f"--threads must be >= 1, got {args.threads}")
+    if args.device == "cuda" and not torch.cuda.is_available():
+        parser.error("--device cuda was requested but torch.cuda.is_available() is False")
+    args.device = torch.device(args.device)
+    return args
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    if args.threads is not None:
+        torch.set_num_threads(args.threads)
+    where = (
+        torch.cuda.get_device_name() if args.device.type == "cuda" else f"{torch.get_num_threads()} threads"
+    )
+    for workload in args.workload:
+        count, size = WORKLOADS[workload]
+        params, grads = make_tensors(workload, args.device, args.seed)
+        rows = [bench(name, params, grads, args) for name in args.inner]
+        print(
+            f"\n{workload} float32 parameters in {count} tensors of {size:,} on {args.device.type} "
+            f"({where}), torch {torch.__version__}: median ms per step over {args.repeats} steps "
+            f"after {args.warmup} warm-up steps. Overhead = variant / bare - 1; bold: "
+            f"LossScaleOptimizer above {TARGET:.0%}.\n"
+        )
+        print(format_table(rows))
+
+
+if __name__ == "__main__":
+    main()

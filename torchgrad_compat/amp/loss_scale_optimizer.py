@@ -1,0 +1,384 @@
+"""``tf.compat.v1.mixed_precision.MixedPrecisionLossScaleOptimizer`` around any torch optimizer."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any, ClassVar
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from ..optim._base import _check_global_step, _describe
+from ..optim._wrapper import OptimizerWrapper
+from .loss_scale import LossScale, as_loss_scale, found_non_finite
+
+__all__ = ["LossScaleOptimizer"]
+
+_HALF_DTYPES = (torch.float16, torch.bfloat16)
+
+
+class LossScaleOptimizer(OptimizerWrapper):
+    r"""Loss scaling around any ``torch.optim.Optimizer``, with TensorFlow v1's rules.
+
+    The loss is multiplied by the scale :math:`S` before the backward pass, so
+    that small float16 gradients do not flush to zero, and every gradient by
+    :math:`1/S` (a float32 reciprocal) after it. With a
+    :class:`~torchgrad_compat.amp.DynamicLossScale` (``loss_scale="dynamic"``)
+    each step is decided on the unscaled gradients:
+
+    - all finite: the wrapped optimizer applies them, and the scale's
+      good-step counter advances (the scale grows every ``increment_period``);
+    - any NaN or ±inf: the whole update is skipped, so parameters, slots and
+      optimizer-wide state (Adam's beta powers, AdagradDA's step, a
+      ``global_step`` passed to ``apply_gradients``) stay as they were, and
+      :math:`S \leftarrow \max(S/m, 1)`.
+
+    A fixed scale (a number, or a :class:`~torchgrad_compat.amp.FixedLossScale`)
+    never skips: as in TensorFlow, non-finite gradients are applied.
+
+    Two ways to drive it, with the same numbers:
+
+    - torch: ``opt.zero_grad(); opt.get_scaled_loss(loss).backward(); opt.step()``.
+      ``step()`` divides every ``p.grad`` by :math:`S` in place with torch's fused
+      check-and-unscale kernel (one pass that also finds non-finite values),
+      updates the scale on device, and synchronises with the host once, to
+      apply or skip. To clip the gradients, call ``opt.unscale_()`` first.
+    - TF: ``compute_gradients(loss)`` returns unscaled gradients;
+      ``apply_gradients(grads_and_vars, global_step)`` takes unscaled gradients,
+      updates the scale and applies or skips; ``minimize`` does both.
+
+    Under ``torch.distributed`` (initialised, world size > 1) the non-finite
+    flag is all-reduced (MAX) over the default process group before the
+    decision, so every rank skips and backs off together, whether the
+    gradients were reduced before (DDP) or are reduced by the wrapped optimizer
+    (``CrossShardOptimizer``). Every rank must then call ``step`` /
+    ``apply_gradients`` the same number of times.
+
+    ``param_groups``, ``state``, ``get_slot``, ``get_slot_names``,
+    ``learning_rate``/``lr`` and ``zero_grad`` are the wrapped optimizer's;
+    ``variables()`` adds the scale and the counter; ``state_dict()`` is
+    ``{"optimizer": ..., "loss_scale": ...}``, so a resumed run continues the
+    same scale sequence.
+
+    Differences from TensorFlow:
+        1. It wraps any torch optimizer, and has the torch-style ``step`` and ``unscale_``.
+        2. An uncoalesced float16 sparse gradient is also checked after its
+           duplicate rows are summed (TF checks only the rows as given).
+        3. float64 gradients are unscaled in float64 (TF's optimizer rejects them).
+
+    Differences from ``torch.amp.GradScaler``: TF's dynamic rule (see
+    ``DynamicLossScale``: floor of 1, initial ``2**15``); the scale belongs
+    to the optimizer and its ``state_dict``; ranks always agree; one call,
+    ``step()``, unscales, decides, applies and updates the scale; float16 sparse
+    gradients are checked after unscaling, so only sums that overflow once
+    unscaled cause a skip.
+
+    Args:
+        optimizer: the optimizer to wrap; not a ``LossScaleOptimizer``, nor a
+            wrapper around one.
+        loss_scale: ``"dynamic"`` (``DynamicLossScale()``), a number ``>= 1``
+            (a fixed scale) or a ``LossScale``. Its state moves to the device
+            of the first parameter.
+
+    Raises:
+        TypeError: ``optimizer`` is not a torch optimizer, or is (or wraps) a
+            ``LossScaleOptimizer``; ``loss_scale`` has the wrong type.
+        ValueError: ``loss_scale`` is None, an unknown string, or a number below 1.
+
+    Example:
+        >>> w = torch.nn.Parameter(torch.tensor([1.0, -1.0]))
+        >>> opt = LossScaleOptimizer(torch.optim.SGD([w], lr=0.1))
+        >>> opt.get_scaled_loss((w * w).sum()).backward()
+        >>> opt.step()
+        >>> w.detach(), float(opt.loss_scale())
+        (tensor([ 0.8000, -0.8000]), 32768.0)
+        >>> opt.zero_grad()
+        >>> opt.get_scaled_loss(w.sum() * float("inf")).backward()
+        >>> opt.step()  # skipped: w is unchanged and the scale halves
+        >>> w.detach(), float(opt.loss_scale())
+        (tensor([ 0.8000, -0.8000]), 16384.0)
+    """
+
+    _pickled_attributes: ClassVar[tuple[str, ...]] = ("_optimizer", "_loss_scale", "_unscaled", "_found_inf")
+
+    def __init__(self, optimizer: torch.optim.Optimizer, loss_scale: str | float | LossScale = "dynamic"):
+        wrapped: Any = optimizer
+        while wrapped is not None:
+            if isinstance(wrapped, LossScaleOptimizer):
+                inside = "" if wrapped is optimizer else f" (found inside {type(optimizer).__name__})"
+                raise TypeError(f"LossScaleOptimizer cannot wrap another LossScaleOptimizer{inside}")
+            wrapped = getattr(wrapped, "inner_optimizer", None)
+        super().__init__(optimizer)
+        self._loss_scale = as_loss_scale(loss_scale)
+        params = self._all_params()
+        if params:
+            self._loss_scale.to(params[0].device)
+        # Set by unscale_(): p.grad is already unscaled, and this is its non-finite flag.
+        self._unscaled = False
+        self._found_inf: Tensor | None = None
+
+    @property
+    def loss_scale(self) -> LossScale:
+        """The ``LossScale``; ``opt.loss_scale()`` is the current scale."""
+        return self._loss_scale
+
+    def __repr__(self) -> str:
+        return f"LossScaleOptimizer({self._optimizer!r}, loss_scale={self._loss_scale!r})"
+
+    # ------------------------------------------------------------------ scaling
+    def get_scaled_loss(self, loss: Tensor | Callable[[], Tensor]) -> Tensor | Callable[[], Tensor]:
+        """``loss`` times the current scale (cast to the loss's dtype, as TF).
+
+        A zero-argument callable gives a callable that scales its result, reading
+        the scale when it is called.
+        """
+        if callable(loss) and not isinstance(loss, Tensor):
+            return lambda: self._scaled(loss())
+        return self._scaled(loss)
+
+    def get_unscaled_gradients(self, grads: Iterable[Tensor | None]) -> list[Tensor | None]:
+        """Each gradient times ``1 / scale``, out of place; None stays None, sparse stays sparse.
+
+        float16/bfloat16 gradients are multiplied in float32 and rounded once,
+        as torch's fused unscale kernel does, so both driving styles agree bitwise.
+        """
+        inv_scale = torch.reciprocal(self._loss_scale())
+        unscaled: list[Tensor | None] = []
+        for g in grads:
+            if g is None:
+                unscaled.append(None)
+            elif not isinstance(g, Tensor):
+                raise TypeError(f"gradients must be tensors or None, got {type(g).__name__}: {g!r}")
+            elif g.is_sparse:
+                values = _times(g._values(), inv_scale)
+                unscaled.append(
+                    torch.sparse_coo_tensor(
+                        g._indices(), values, g.shape, is_coalesced=g.is_coalesced(), check_invariants=False
+                    )
+                )
+            else:
+                unscaled.append(_times(g, inv_scale))
+        return unscaled
+
+    def _scaled(self, loss: Any) -> Tensor:
+        if not isinstance(loss, Tensor):
+            raise TypeError(f"loss must be a tensor or a callable returning one, got {type(loss).__name__}")
+        return loss * self._loss_scale().to(device=loss.device, dtype=loss.dtype)
+
+    # ------------------------------------------------------------------ torch style
+    @torch.no_grad()
+    def unscale_(self) -> None:
+        """Divide every ``p.grad`` by the scale in place now, e.g. to clip them before ``step()``.
+
+        ``step()`` then uses the non-finite check made here. ``zero_grad()``
+        forgets it.
+
+        Raises:
+            RuntimeError: ``unscale_()`` was already called since the last
+                ``step()``/``zero_grad()``, or no parameter has a gradient.
+        """
+        if self._unscaled:
+            raise RuntimeError(
+                "LossScaleOptimizer.unscale_() has already been called since the last step() or "
+                "zero_grad(); the gradients are unscaled already"
+            )
+        self._found_inf = self._unscale_grads()
+        self._unscaled = True
+
+    def step(self, closure: Callable[[], Any] | None = None) -> Any:
+        """Unscale ``p.grad`` in place (unless ``unscale_()`` did), update the scale, apply or skip.
+
+        ``closure``, if given, must compute the loss and call
+        ``opt.get_scaled_loss(loss).backward()``; its result is returned.
+
+        Raises:
+            RuntimeError: no parameter has a gradient (nothing was scaled and
+                back-propagated since the last ``zero_grad()``); raised before
+                any collective and before the scale changes.
+        """
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        with torch.no_grad():
+            found_inf = self._found_inf if self._unscaled else self._unscale_grads()
+            self._unscaled, self._found_inf = False, None
+            if self._should_apply(found_inf):
+                self._optimizer.step()
+        return loss
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """The wrapped optimizer's ``zero_grad``; also forgets an ``unscale_()`` not yet stepped."""
+        super().zero_grad(set_to_none=set_to_none)
+        self._unscaled, self._found_inf = False, None
+
+    def _unscale_grads(self) -> Tensor | None:
+        """Multiply every ``p.grad`` by ``1/scale`` in place; return the non-finite flag.
+
+        The flag is None when the loss scale does not look at gradients (a
+        fixed scale), so that no collective and no synchronisation follow.
+        """
+        grads = [p.grad for p in self._all_params() if p.grad is not None]
+        if not grads:
+            raise RuntimeError(
+                "LossScaleOptimizer: no parameter has a gradient; call "
+                "opt.get_scaled_loss(loss).backward() before step() or unscale_()"
+            )
+        device = self._loss_scale.device
+        inv_scale = torch.reciprocal(self._loss_scale())
+        # The fused kernel needs its flag and inverse scale on the gradients' device.
+        by_device: dict[torch.device, dict[torch.dtype, list[Tensor]]] = {}
+        summed_later: list[Tensor] = []
+        for g in grads:
+            if g.is_sparse:
+                if g.dtype == torch.float16 and not g.is_coalesced():
+                    summed_later.append(g)
+                g = g._values()
+            by_device.setdefault(g.device, {}).setdefault(g.dtype, []).append(g)
+        found_inf = torch.zeros(1, dtype=torch.float32, device=device)
+        for grad_device, by_dtype in by_device.items():
+            here = grad_device == device
+            found_here = found_inf if here else torch.zeros(1, dtype=torch.float32, device=grad_device)
+            inv_here = inv_scale if here else inv_scale.to(grad_device)
+            for tensors in by_dtype.values():
+                torch._amp_foreach_non_finite_check_and_unscale_(tensors, found_here, inv_here)
+            if not here:
+                found_inf = torch.maximum(found_inf, found_here.to(device))
+        if summed_later:
+            # Checked after unscaling: only rows whose unscaled sum overflows float16 skip the step.
+            found_inf = torch.maximum(found_inf, found_non_finite(summed_later, device))
+        return found_inf if self._loss_scale.checks_gradients else None
+
+    # ------------------------------------------------------------------ TF style
+    def compute_gradients(
+        self,
+        loss: Tensor | Callable[[], Tensor],
+        var_list: Sequence[Tensor] | None = None,
+        gate_gradients: int = 1,
+        aggregation_method: int | None = None,
+        colocate_gradients_with_ops: bool = False,
+        grad_loss: Tensor | None = None,
+    ) -> list[tuple[Tensor | None, Tensor]]:
+        """The wrapped optimizer's ``compute_gradients`` of the scaled loss, then unscaled (TF)."""
+        inner = self._optimizer
+        compute = (
+            inner.compute_gradients if hasattr(inner, "compute_gradients") else super().compute_gradients
+        )
+        grads_and_vars = compute(
+            self.get_scaled_loss(loss),
+            var_list=var_list,
+            gate_gradients=gate_gradients,
+            aggregation_method=aggregation_method,
+            colocate_gradients_with_ops=colocate_gradients_with_ops,
+            grad_loss=grad_loss,
+        )
+        grads = self.get_unscaled_gradients([g for g, _ in grads_and_vars])
+        return list(zip(grads, [v for _, v in grads_and_vars], strict=True))
+
+    def apply_gradients(
+        self,
+        grads_and_vars: Iterable[tuple[Tensor | None, Tensor]],
+        global_step: Tensor | None = None,
+        name: str | None = None,
+    ) -> None:
+        """Update the scale on the (already unscaled) gradients; apply them unless one is non-finite.
+
+        On a skipped step nothing of the wrapped optimizer changes and
+        ``global_step`` is not incremented (TF v1). The arguments are checked
+        before the scale changes.
+        """
+        pairs = list(grads_and_vars)
+        self._check_pairs(pairs, global_step)
+        grads = [g for g, _ in pairs]
+        found_inf = (
+            found_non_finite(grads, self._loss_scale.device) if self._loss_scale.checks_gradients else None
+        )
+        if self._should_apply(found_inf):
+            self._apply_inner(pairs, global_step=global_step, name=name)
+
+    def minimize(
+        self,
+        loss: Tensor | Callable[[], Tensor],
+        global_step: Tensor | None = None,
+        var_list: Sequence[Tensor] | None = None,
+        gate_gradients: int = 1,
+        aggregation_method: int | None = None,
+        colocate_gradients_with_ops: bool = False,
+        name: str | None = None,
+        grad_loss: Tensor | None = None,
+    ) -> None:
+        """``compute_gradients`` (scaled loss, unscaled gradients) then ``apply_gradients``."""
+        grads_and_vars = self.compute_gradients(
+            loss,
+            var_list=var_list,
+            gate_gradients=gate_gradients,
+            aggregation_method=aggregation_method,
+            colocate_gradients_with_ops=colocate_gradients_with_ops,
+            grad_loss=grad_loss,
+        )
+        self.apply_gradients(grads_and_vars, global_step=global_step, name=name)
+
+    def _check_pairs(self, pairs: list[Any], global_step: Any) -> None:
+        if not pairs:
+            raise ValueError("No variables provided.")
+        managed = {id(p) for p in self._all_params()}
+        for item in pairs:
+            if not (isinstance(item, (tuple, list)) and len(item) == 2):
+                raise TypeError(f"grads_and_vars must hold (gradient, variable) pairs, got {item!r}")
+            g, v = item
+            if g is not None and not isinstance(g, Tensor):
+                raise TypeError(
+                    f"Gradient must be a Tensor or None, got {type(g).__name__} for {_describe(v)}"
+                )
+            if id(v) not in managed:
+                raise ValueError(f"{type(self._optimizer).__name__} does not manage variable {_describe(v)}")
+        if all(g is None for g, _ in pairs):
+            raise ValueError(f"No gradients provided for any variable: {[_describe(v) for _, v in pairs]}.")
+        if global_step is not None:
+            _check_global_step(global_step)
+
+    # ------------------------------------------------------------------ the decision
+    def _should_apply(self, found_inf: Tensor | None) -> bool:
+        """Agree across ranks, advance the scale on device, and synchronise once to decide.
+
+        ``found_inf`` None: the loss scale does not look at gradients (apply).
+        """
+        if found_inf is None:
+            return True
+        if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+            dist.all_reduce(found_inf, op=dist.ReduceOp.MAX)
+        return bool(self._loss_scale.update_from_found_inf(found_inf))
+
+    # ------------------------------------------------------------------ state
+    def variables(self) -> list[Tensor]:
+        """The wrapped optimizer's state tensors, then the loss scale's (TF's order)."""
+        return super().variables() + self._loss_scale.variables()
+
+    def state_dict(self) -> dict[str, Any]:
+        """``{"optimizer": <wrapped optimizer's state_dict>, "loss_scale": <LossScale.state_dict()>}``."""
+        return {**super().state_dict(), "loss_scale": self._loss_scale.state_dict()}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Restore the wrapped optimizer and the loss scale; on any error neither changes."""
+        if not isinstance(state_dict, dict) or "loss_scale" not in state_dict:
+            keys = sorted(state_dict) if isinstance(state_dict, dict) else type(state_dict).__name__
+            raise ValueError(
+                "LossScaleOptimizer.load_state_dict expects the dict from its state_dict(), with keys "
+                f"'optimizer' and 'loss_scale'; got {keys}"
+            )
+        previous = self._loss_scale.state_dict()
+        self._loss_scale.load_state_dict(state_dict["loss_scale"])
+        try:
+            super().load_state_dict(state_dict)
+        except Exception:
+            self._loss_scale.load_state_dict(previous)
+            raise
+
+
+def _times(t: Tensor, inv_scale: Tensor) -> Tensor:
+    """``t * inv_scale`` as torch's fused unscale kernel computes it (float32 math for half dtypes)."""
+    inv_scale = inv_scale.to(t.device)
+    if t.dtype in _HALF_DTYPES:
+        return (t.float() * inv_scale).to(t.dtype)
+    return t * inv_scale
