@@ -261,11 +261,7 @@ class LossScaleOptimizer(OptimizerWrapper):
         grad_loss: Tensor | None = None,
     ) -> list[tuple[Tensor | None, Tensor]]:
         """The wrapped optimizer's ``compute_gradients`` of the scaled loss, then unscaled (TF)."""
-        inner = self._optimizer
-        compute = (
-            inner.compute_gradients if hasattr(inner, "compute_gradients") else super().compute_gradients
-        )
-        grads_and_vars = compute(
+        grads_and_vars = super().compute_gradients(
             self.get_scaled_loss(loss),
             var_list=var_list,
             gate_gradients=gate_gradients,
@@ -296,28 +292,6 @@ class LossScaleOptimizer(OptimizerWrapper):
         )
         if self._should_apply(found_inf):
             self._apply_inner(pairs, global_step=global_step, name=name)
-
-    def minimize(
-        self,
-        loss: Tensor | Callable[[], Tensor],
-        global_step: Tensor | None = None,
-        var_list: Sequence[Tensor] | None = None,
-        gate_gradients: int = 1,
-        aggregation_method: int | None = None,
-        colocate_gradients_with_ops: bool = False,
-        name: str | None = None,
-        grad_loss: Tensor | None = None,
-    ) -> None:
-        """``compute_gradients`` (scaled loss, unscaled gradients) then ``apply_gradients``."""
-        grads_and_vars = self.compute_gradients(
-            loss,
-            var_list=var_list,
-            gate_gradients=gate_gradients,
-            aggregation_method=aggregation_method,
-            colocate_gradients_with_ops=colocate_gradients_with_ops,
-            grad_loss=grad_loss,
-        )
-        self.apply_gradients(grads_and_vars, global_step=global_step, name=name)
 
     def _check_pairs(self, pairs: list[Any], global_step: Any) -> None:
         if not pairs:

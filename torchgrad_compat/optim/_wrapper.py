@@ -38,6 +38,10 @@ class OptimizerWrapper(torch.optim.Optimizer):
     ``state_dict`` / ``load_state_dict`` with their own state.
     """
 
+    GATE_NONE: ClassVar[int] = 0
+    GATE_OP: ClassVar[int] = 1
+    GATE_GRAPH: ClassVar[int] = 2
+
     _pickled_attributes: ClassVar[tuple[str, ...]] = ("_optimizer",)
 
     def __init__(self, optimizer: torch.optim.Optimizer):
@@ -135,15 +139,55 @@ class OptimizerWrapper(torch.optim.Optimizer):
         colocate_gradients_with_ops: bool = False,
         grad_loss: Tensor | None = None,
     ) -> list[tuple[Tensor | None, Tensor]]:
-        """TF's ``compute_gradients`` over the wrapped optimizer's parameters (or ``var_list``)."""
-        return compute_gradients(
+        """The wrapped optimizer's ``compute_gradients`` (TF's, over its parameters for a torch optimizer).
+
+        Delegating lets wrappers compose: around a CrossShardOptimizer, the loss
+        is also scaled by ``1/num_shards``.
+        """
+        kwargs = {
+            "gate_gradients": gate_gradients,
+            "aggregation_method": aggregation_method,
+            "colocate_gradients_with_ops": colocate_gradients_with_ops,
+            "grad_loss": grad_loss,
+        }
+        if hasattr(self._optimizer, "compute_gradients"):
+            return self._optimizer.compute_gradients(loss, var_list=var_list, **kwargs)
+        return compute_gradients(loss, self._all_params() if var_list is None else var_list, **kwargs)
+
+    def apply_gradients(
+        self,
+        grads_and_vars: Iterable[tuple[Tensor | None, Tensor]],
+        global_step: Tensor | None = None,
+        name: str | None = None,
+    ) -> None:
+        """Apply ``(grad, var)`` pairs: each wrapper does its part, then ``_apply_inner``."""
+        raise NotImplementedError(f"{type(self).__name__} must implement apply_gradients")
+
+    def minimize(
+        self,
+        loss: Tensor | Callable[[], Tensor],
+        global_step: Tensor | None = None,
+        var_list: Sequence[Tensor] | None = None,
+        gate_gradients: int = 1,
+        aggregation_method: int | None = None,
+        colocate_gradients_with_ops: bool = False,
+        name: str | None = None,
+        grad_loss: Tensor | None = None,
+    ) -> None:
+        """This wrapper's ``compute_gradients`` then its ``apply_gradients``, as TF's ``minimize``.
+
+        With no gradient at all, ``apply_gradients`` raises (after any
+        collective a distributed wrapper needs, so no replica is left waiting).
+        """
+        grads_and_vars = self.compute_gradients(
             loss,
-            self._all_params() if var_list is None else var_list,
+            var_list=var_list,
             gate_gradients=gate_gradients,
             aggregation_method=aggregation_method,
             colocate_gradients_with_ops=colocate_gradients_with_ops,
             grad_loss=grad_loss,
         )
+        self.apply_gradients(grads_and_vars, global_step=global_step, name=name)
 
     def _apply_inner(
         self,

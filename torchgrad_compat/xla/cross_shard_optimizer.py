@@ -6,12 +6,12 @@ import math
 import warnings
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager
-from typing import Any, ClassVar
+from typing import Any
 
 import torch
 from torch import Tensor
 
-from ..optim._base import Optimizer, _check_global_step, _check_grad, _describe, check_range
+from ..optim._base import _check_global_step, _check_grad, _describe, check_range
 from ..optim._wrapper import OptimizerWrapper
 from ._backend import (
     Collective,
@@ -138,10 +138,6 @@ class CrossShardOptimizer(OptimizerWrapper):
         >>> w.detach()
         tensor([ 0.5000, -0.5000])
     """
-
-    GATE_NONE: ClassVar[int] = Optimizer.GATE_NONE
-    GATE_OP: ClassVar[int] = Optimizer.GATE_OP
-    GATE_GRAPH: ClassVar[int] = Optimizer.GATE_GRAPH
 
     def __init__(
         self,
@@ -295,7 +291,7 @@ class CrossShardOptimizer(OptimizerWrapper):
         self,
         loss: Tensor | Callable[[], Tensor],
         var_list: Sequence[Tensor] | None = None,
-        gate_gradients: int = GATE_OP,
+        gate_gradients: int = OptimizerWrapper.GATE_OP,
         aggregation_method: int | None = None,
         colocate_gradients_with_ops: bool = False,
         grad_loss: Tensor | None = None,
@@ -366,30 +362,3 @@ class CrossShardOptimizer(OptimizerWrapper):
         others = [i for i in range(len(params)) if i not in listed and sums[i] is not None]
         summed = [(sums[i], params[i]) for i in [*listed, *others]]
         self._apply_inner(summed, global_step, name)
-
-    def minimize(
-        self,
-        loss: Tensor | Callable[[], Tensor],
-        global_step: Tensor | None = None,
-        var_list: Sequence[Tensor] | None = None,
-        gate_gradients: int = GATE_OP,
-        aggregation_method: int | None = None,
-        colocate_gradients_with_ops: bool = False,
-        name: str | None = None,
-        grad_loss: Tensor | None = None,
-    ) -> None:
-        """``compute_gradients`` then ``apply_gradients``, as TF's ``minimize``.
-
-        Unlike a bare optimizer's, it does not raise when *this* replica has no
-        gradient at all: another replica may have some, and raising here would
-        leave it waiting. With no gradient on any replica, every replica raises.
-        """
-        grads_and_vars = self.compute_gradients(
-            loss,
-            var_list=var_list,
-            gate_gradients=gate_gradients,
-            aggregation_method=aggregation_method,
-            colocate_gradients_with_ops=colocate_gradients_with_ops,
-            grad_loss=grad_loss,
-        )
-        self.apply_gradients(grads_and_vars, global_step=global_step, name=name)
