@@ -7,11 +7,7 @@ there has a PyTorch twin here under the same case name.
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import os
-import subprocess
-import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -539,13 +535,6 @@ def test_bad_input_raises_naming_the_argument(label: str) -> None:
 
 
 # ---------------------------------------------------------------------- the fixtures are reproducible
-def _tf_python() -> str | None:
-    """An interpreter that can import tensorflow: this one, or ``$TORCHGRAD_COMPAT_TF_PYTHON``."""
-    if importlib.util.find_spec("tensorflow") is not None:
-        return sys.executable
-    return os.environ.get("TORCHGRAD_COMPAT_TF_PYTHON")
-
-
 def _assert_same_fixture(fresh: Any, committed: Any, rtol: float) -> None:
     """Equal structure, None pattern, inputs and errors; numbers equal up to TF's kernel rounding."""
     if isinstance(committed, dict):
@@ -563,21 +552,9 @@ def _assert_same_fixture(fresh: Any, committed: Any, rtol: float) -> None:
 
 
 @pytest.mark.tf_live
-def test_generator_reproduces_the_fixtures(tmp_path: Path) -> None:
+def test_generator_reproduces_the_fixtures(run_tf_generator) -> None:
     """Rerun real TensorFlow: the committed fixtures are what the generator writes today."""
-    python = _tf_python()
-    if python is None:
-        pytest.skip(
-            "tensorflow is not importable here; set TORCHGRAD_COMPAT_TF_PYTHON to an interpreter that has it"
-        )
-    run = subprocess.run(
-        [python, str(GENERATOR), "--out", str(tmp_path)],
-        capture_output=True,
-        text=True,
-        timeout=600,
-        env={**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2"},
-    )
-    assert run.returncode == 0, run.stderr[-4000:]
+    tmp_path = run_tf_generator(GENERATOR)
     for name in ("tf_gradients.json", "tf_hessians.json"):
         fresh = json.loads((tmp_path / name).read_text())
         committed = json.loads((FIXTURES / name).read_text())

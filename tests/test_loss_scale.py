@@ -11,14 +11,10 @@ state machine and must match TF bit for bit.
 from __future__ import annotations
 
 import copy
-import importlib.util
 import io
 import json
 import math
-import os
 import pickle
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -337,25 +333,9 @@ def test_state_moves_to_the_device() -> None:
 
 
 @pytest.mark.tf_live
-def test_generator_reproduces_the_fixtures(tmp_path: Path) -> None:
+def test_generator_reproduces_the_fixtures(run_tf_generator) -> None:
     """Rerun real TensorFlow: both committed fixture files are what the generator writes today."""
-    python = (
-        sys.executable
-        if importlib.util.find_spec("tensorflow")
-        else os.environ.get("TORCHGRAD_COMPAT_TF_PYTHON")
-    )
-    if python is None:
-        pytest.skip(
-            "tensorflow is not importable here; set TORCHGRAD_COMPAT_TF_PYTHON to an interpreter that has it"
-        )
-    run = subprocess.run(
-        [python, str(GENERATOR), "--out", str(tmp_path)],
-        capture_output=True,
-        text=True,
-        timeout=600,
-        env={**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2"},
-    )
-    assert run.returncode == 0, run.stderr[-4000:]
+    tmp_path = run_tf_generator(GENERATOR)
     for name in ("tf_loss_scale.json", "tf_loss_scale_optimizer.json"):
         fresh, committed = (json.loads((folder / name).read_text()) for folder in (tmp_path, FIXTURES))
         # NaN != NaN: compare the JSON text of each case (NaN is written as NaN).

@@ -22,11 +22,7 @@ non-slot state (``state_dict()["non_slot_state"]``) after the last step.
 from __future__ import annotations
 
 import functools
-import importlib.util
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -164,29 +160,10 @@ def test_fixtures_cover_every_optimizer() -> None:
     assert exported - {"Optimizer"} <= {case["optimizer"] for case in MANIFEST}
 
 
-def _tf_python() -> str | None:
-    """An interpreter that can import tensorflow: this one, or ``$TORCHGRAD_COMPAT_TF_PYTHON``."""
-    if importlib.util.find_spec("tensorflow") is not None:
-        return sys.executable
-    return os.environ.get("TORCHGRAD_COMPAT_TF_PYTHON")
-
-
 @pytest.mark.tf_live
-def test_generator_reproduces_the_fixtures(tmp_path: Path) -> None:
+def test_generator_reproduces_the_fixtures(run_tf_generator) -> None:
     """Rerun real TensorFlow: the committed fixtures are what the generator writes today."""
-    python = _tf_python()
-    if python is None:
-        pytest.skip(
-            "tensorflow is not importable here; set TORCHGRAD_COMPAT_TF_PYTHON to an interpreter that has it"
-        )
-    run = subprocess.run(
-        [python, str(GENERATOR), "--out", str(tmp_path)],
-        capture_output=True,
-        text=True,
-        timeout=600,
-        env={**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2"},
-    )
-    assert run.returncode == 0, run.stderr[-4000:]
+    tmp_path = run_tf_generator(GENERATOR)
     fresh = json.loads((tmp_path / "manifest.json").read_text())
 
     def without_version(entries: list[dict[str, Any]]) -> list[dict[str, Any]]:

@@ -1,0 +1,45 @@
+"""Shared pytest fixtures."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import subprocess
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+
+
+@pytest.fixture
+def run_tf_generator(tmp_path: Path) -> Callable[[Path], Path]:
+    """Run a committed fixture generator under real TensorFlow, writing into ``tmp_path``.
+
+    The interpreter is this one when it can import tensorflow, else the one named by
+    ``TORCHGRAD_COMPAT_TF_PYTHON`` (TensorFlow and torch need not share an
+    environment); with neither, the test is skipped.
+    """
+
+    def run(generator: Path) -> Path:
+        python = (
+            sys.executable
+            if importlib.util.find_spec("tensorflow") is not None
+            else os.environ.get("TORCHGRAD_COMPAT_TF_PYTHON")
+        )
+        if python is None:
+            pytest.skip(
+                "tensorflow is not importable here; "
+                "set TORCHGRAD_COMPAT_TF_PYTHON to an interpreter that has it"
+            )
+        result = subprocess.run(
+            [python, str(generator), "--out", str(tmp_path)],
+            capture_output=True,
+            text=True,
+            timeout=600,
+            env={**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2"},
+        )
+        assert result.returncode == 0, result.stderr[-4000:]
+        return tmp_path
+
+    return run
