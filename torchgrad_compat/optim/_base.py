@@ -160,6 +160,11 @@ class HyperScalars:
         """The evaluated Python-level value (a number or a tensor), for branching."""
         return self._values[name]
 
+    def is_zero(self, name: str) -> bool:
+        """Whether ``name`` is the Python number 0; a tensor value is not read on the host to find out."""
+        value = self._values[name]
+        return not isinstance(value, Tensor) and value == 0
+
 
 class Optimizer(torch.optim.Optimizer):
     """Base class of the TF v1 optimizers; a ``torch.optim.Optimizer``.

@@ -92,6 +92,7 @@ class AdadeltaOptimizer(Optimizer):
         }
 
     def _apply_dense(self, group, params, grads, slots, non_slot, hyper):
+        foreach = self._use_foreach(group, params)
         adadelta(
             params,
             grads,
@@ -101,7 +102,8 @@ class AdadeltaOptimizer(Optimizer):
             rho=hyper.rho,
             one_minus_rho=hyper.one - hyper.rho,
             epsilon=hyper.epsilon,
-            foreach=self._use_foreach(group, params),
+            foreach=foreach,
+            scratch=self._scratch(params, 2) if foreach else None,
         )
 
     def _apply_sparse(self, group, p, indices, values, slots, non_slot, hyper):
@@ -119,10 +121,28 @@ def adadelta(
     one_minus_rho: Tensor,
     epsilon: Tensor,
     foreach: bool,
+    scratch: list[list[Tensor]] | None = None,
 ) -> None:
-    """Functional form of :class:`AdadeltaOptimizer`'s dense update (scalars already in the params' dtype)."""
-    impl = _multi_tensor_adadelta if foreach else _single_tensor_adadelta
-    impl(
+    """Functional form of :class:`AdadeltaOptimizer`'s dense update (scalars already in the params' dtype).
+
+    ``scratch``: two lists of tensors shaped like ``params`` for the foreach
+    path's temporaries (allocated here when None).
+    """
+    if not foreach:
+        _single_tensor_adadelta(
+            params,
+            grads,
+            accums,
+            accum_updates,
+            lr=lr,
+            rho=rho,
+            one_minus_rho=one_minus_rho,
+            epsilon=epsilon,
+        )
+        return
+    if scratch is None:
+        scratch = [[torch.empty_like(p) for p in params] for _ in range(2)]
+    _multi_tensor_adadelta(
         params,
         grads,
         accums,
@@ -131,6 +151,7 @@ def adadelta(
         rho=rho,
         one_minus_rho=one_minus_rho,
         epsilon=epsilon,
+        scratch=scratch,
     )
 
 
@@ -162,24 +183,35 @@ def _multi_tensor_adadelta(
     rho: Tensor,
     one_minus_rho: Tensor,
     epsilon: Tensor,
+    scratch: list[list[Tensor]],
 ) -> None:
-    # Besides the step Δ, one list of temporaries at a time, reused in place.
+    # Temporaries go into the two scratch lists (copy_ + in-place ops, no
+    # allocation); squares are taken of a scratch copy (tmp * tmp), which reads
+    # one list instead of two, and Δ is squared in place once θ has its step.
+    # add_ of a bare 0-d tensor binds to the Scalar overload, which reads it on
+    # the host and costs ~4x the per-tensor overhead, so ε goes in as a list.
+    tmp, delta = scratch
+    eps = [epsilon] * len(params)
     torch._foreach_mul_(accums, rho)
-    tmp = torch._foreach_mul(grads, grads)
+    torch._foreach_copy_(tmp, grads)
+    torch._foreach_mul_(tmp, tmp)
     torch._foreach_mul_(tmp, one_minus_rho)
     torch._foreach_add_(accums, tmp)
-    delta = torch._foreach_add(accum_updates, epsilon)
+    torch._foreach_copy_(delta, accum_updates)
+    torch._foreach_add_(delta, eps)
     torch._foreach_sqrt_(delta)
-    tmp = torch._foreach_add(accums, epsilon)
+    torch._foreach_copy_(tmp, accums)
+    torch._foreach_add_(tmp, eps)
     torch._foreach_rsqrt_(tmp)
     torch._foreach_mul_(delta, tmp)
     torch._foreach_mul_(delta, grads)
-    tmp = torch._foreach_mul(delta, lr)
+    torch._foreach_copy_(tmp, delta)
+    torch._foreach_mul_(tmp, lr)
     torch._foreach_sub_(params, tmp)
     torch._foreach_mul_(accum_updates, rho)
-    tmp = torch._foreach_mul(delta, delta)
-    torch._foreach_mul_(tmp, one_minus_rho)
-    torch._foreach_add_(accum_updates, tmp)
+    torch._foreach_mul_(delta, delta)
+    torch._foreach_mul_(delta, one_minus_rho)
+    torch._foreach_add_(accum_updates, delta)
 
 
 def _sparse_adadelta(

@@ -88,12 +88,14 @@ class AdagradOptimizer(Optimizer):
         return {"accumulator": constant_slot(p, group["initial_accumulator_value"])}
 
     def _apply_dense(self, group, params, grads, slots, non_slot, hyper):
+        foreach = self._use_foreach(group, params)
         adagrad(
             params,
             grads,
             [s["accumulator"] for s in slots],
             lr=hyper.lr,
-            foreach=self._use_foreach(group, params),
+            foreach=foreach,
+            scratch=self._scratch(params, 2) if foreach else None,
         )
 
     def _apply_sparse(self, group, p, indices, values, slots, non_slot, hyper):
@@ -118,10 +120,19 @@ def adagrad(
     *,
     lr: Tensor,
     foreach: bool,
+    scratch: list[list[Tensor]] | None = None,
 ) -> None:
-    """Functional form of :class:`AdagradOptimizer`'s dense update (``lr`` already in the params' dtype)."""
-    impl = _multi_tensor_adagrad if foreach else _single_tensor_adagrad
-    impl(params, grads, accums, lr=lr)
+    """Functional form of :class:`AdagradOptimizer`'s dense update (``lr`` already in the params' dtype).
+
+    ``scratch``: two lists of tensors shaped like ``params`` for the foreach
+    path's temporaries (allocated here when None).
+    """
+    if not foreach:
+        _single_tensor_adagrad(params, grads, accums, lr=lr)
+        return
+    if scratch is None:
+        scratch = [[torch.empty_like(p) for p in params] for _ in range(2)]
+    _multi_tensor_adagrad(params, grads, accums, lr=lr, scratch=scratch)
 
 
 def _single_tensor_adagrad(params, grads, accums, *, lr):
@@ -130,10 +141,19 @@ def _single_tensor_adagrad(params, grads, accums, *, lr):
         p.sub_((g * lr).mul_(a.rsqrt()))  # 2. θ = θ - (gη)·rsqrt(a)
 
 
-def _multi_tensor_adagrad(params, grads, accums, *, lr):
-    torch._foreach_add_(accums, torch._foreach_mul(grads, grads))
-    step = torch._foreach_mul(grads, lr)
-    torch._foreach_mul_(step, torch._foreach_rsqrt(accums))
+def _multi_tensor_adagrad(params, grads, accums, *, lr, scratch):
+    # Temporaries go into the two scratch lists (copy_ + in-place ops, no
+    # allocation). torch.optim.Adagrad folds g² into a with addcmul_, a fused
+    # multiply-add that rounds once where TF rounds g² first.
+    step, rsqrt = scratch
+    torch._foreach_copy_(step, grads)
+    torch._foreach_mul_(step, grads)
+    torch._foreach_add_(accums, step)
+    torch._foreach_copy_(rsqrt, accums)
+    torch._foreach_rsqrt_(rsqrt)
+    torch._foreach_copy_(step, grads)
+    torch._foreach_mul_(step, lr)
+    torch._foreach_mul_(step, rsqrt)
     torch._foreach_sub_(params, step)
 
 

@@ -31,7 +31,10 @@ class AdagradDAOptimizer(Optimizer):
             \,/\, (\lambda_2 (T\eta) + \sqrt{s})
 
     so the parameter's previous value is never read, and a zero gradient still
-    moves it as :math:`T` grows.
+    moves it as :math:`T` grows. As in TF's kernel, :math:`\lambda_1 = 0` takes
+    the form :math:`-(\eta a) / (\dots)` (the same bits as the one above); a
+    :math:`\lambda_1` given as a tensor (or a callable returning one) always
+    takes the general form, since choosing would read it on the host.
 
     Slots: ``gradient_accumulator`` (0) and ``gradient_squared_accumulator``
     (``initial_gradient_squared_accumulator_value``, made directly in the
@@ -145,15 +148,21 @@ class AdagradDAOptimizer(Optimizer):
         # parameter dtype, its sparse kernel converts it directly (the two
         # differ only past 2**24 steps).
         t = hyper.tensor(self._step_index(non_slot, hyper.device))
+        foreach = self._use_foreach(group, params)
+        # TF branches on λ₁ > 0 (t_l1=None selects its λ₁ = 0 form). With λ₂ = 0
+        # the denominator's λ₂(Tη) is +0, added to √s > 0 (s starts positive and
+        # only grows), so it is left out. Only a Python number is tested:
+        # branching on a tensor would read it on the host.
         adagrad_da(
             params,
             grads,
             [s["gradient_accumulator"] for s in slots],
             [s["gradient_squared_accumulator"] for s in slots],
             neg_lr=-hyper.lr,
-            t_l1=t * hyper.l1,
-            l2_t_lr=hyper.l2 * (t * hyper.lr),
-            foreach=self._use_foreach(group, params),
+            t_l1=None if hyper.is_zero("l1") else t * hyper.l1,
+            l2_t_lr=None if hyper.is_zero("l2") else hyper.l2 * (t * hyper.lr),
+            foreach=foreach,
+            scratch=self._scratch(params, 1) if foreach else None,
         )
 
     def _apply_sparse(self, group, p, indices, values, slots, non_slot, hyper):
@@ -182,42 +191,68 @@ def adagrad_da(
     squared_accums: list[Tensor],
     *,
     neg_lr: Tensor,
-    t_l1: Tensor,
-    l2_t_lr: Tensor,
+    t_l1: Tensor | None,
+    l2_t_lr: Tensor | None,
     foreach: bool,
+    scratch: list[list[Tensor]] | None = None,
 ) -> None:
     """Functional form of :class:`AdagradDAOptimizer`'s dense update.
 
     ``neg_lr`` = -η, ``t_l1`` = T·λ₁ and ``l2_t_lr`` = λ₂·(T·η), each rounded in
-    the params' dtype.
+    the params' dtype. ``t_l1=None`` selects TF's λ₁ = 0 form
+    θ = (a·(-η)) / (…); ``l2_t_lr=None`` leaves the λ₂ term out of the
+    denominator. ``scratch``: one list of tensors shaped like ``params`` for
+    the foreach path's temporary (allocated here when None).
     """
-    impl = _multi_tensor_adagrad_da if foreach else _single_tensor_adagrad_da
-    impl(params, grads, grad_accums, squared_accums, neg_lr=neg_lr, t_l1=t_l1, l2_t_lr=l2_t_lr)
+    scalars = {"neg_lr": neg_lr, "t_l1": t_l1, "l2_t_lr": l2_t_lr}
+    if not foreach:
+        _single_tensor_adagrad_da(params, grads, grad_accums, squared_accums, **scalars)
+        return
+    if scratch is None:
+        scratch = [[torch.empty_like(p) for p in params]]
+    _multi_tensor_adagrad_da(params, grads, grad_accums, squared_accums, **scalars, scratch=scratch)
 
 
 def _single_tensor_adagrad_da(params, grads, grad_accums, squared_accums, *, neg_lr, t_l1, l2_t_lr):
-    # TF branches on λ₁ > 0; with λ₁ = 0 the λ₁ form below gives the same bits
-    # (-η·sign(a)·|a| = -(η·a), rounded once), so one form serves both.
     for p, g, a, s in zip(params, grads, grad_accums, squared_accums, strict=True):
         a.add_(g)  # 1. a = a + g
         s.add_(g * g)  # 2. s = s + g²
-        shrunk = (a.abs() - t_l1).clamp_min_(0)  # 3. max(|a| - Tλ₁, 0)
-        p.copy_((a.sign() * neg_lr).mul_(shrunk).div_(s.sqrt().add_(l2_t_lr)))  # 4. θ = -η·sign(a)·… / (…)
+        if t_l1 is None:
+            num = a * neg_lr  # 3. (λ₁ = 0: -η·a, TF's (η·a)·(-1))
+        else:
+            shrunk = (a.abs() - t_l1).clamp_min_(0)  # 3. max(|a| - Tλ₁, 0)
+            num = (a.sign() * neg_lr).mul_(shrunk)  #    -η·sign(a)·max(…)
+        den = s.sqrt()
+        if l2_t_lr is not None:
+            den.add_(l2_t_lr)
+        p.copy_(num.div_(den))  # 4. θ = … / (λ₂(Tη) + √s)
 
 
-def _multi_tensor_adagrad_da(params, grads, grad_accums, squared_accums, *, neg_lr, t_l1, l2_t_lr):
+def _multi_tensor_adagrad_da(params, grads, grad_accums, squared_accums, *, neg_lr, t_l1, l2_t_lr, scratch):
+    # θ's old value is never read, so the numerator is built in the parameters
+    # themselves and the one temporary goes into the scratch list (copy_ +
+    # in-place ops, no allocation).
+    (tmp,) = scratch
     torch._foreach_add_(grad_accums, grads)
-    torch._foreach_add_(squared_accums, torch._foreach_mul(grads, grads))
-    shrunk = torch._foreach_abs(grad_accums)
-    torch._foreach_sub_(shrunk, t_l1)
-    torch._foreach_clamp_min_(shrunk, 0)
-    new = torch._foreach_sign(grad_accums)
-    torch._foreach_mul_(new, neg_lr)
-    torch._foreach_mul_(new, shrunk)
-    denom = torch._foreach_sqrt(squared_accums)
-    torch._foreach_add_(denom, l2_t_lr)
-    torch._foreach_div_(new, denom)
-    torch._foreach_copy_(params, new)
+    torch._foreach_copy_(tmp, grads)
+    torch._foreach_mul_(tmp, grads)
+    torch._foreach_add_(squared_accums, tmp)
+    torch._foreach_copy_(params, grad_accums)
+    if t_l1 is None:
+        torch._foreach_mul_(params, neg_lr)
+    else:
+        torch._foreach_copy_(tmp, grad_accums)
+        torch._foreach_abs_(tmp)
+        torch._foreach_sub_(tmp, t_l1)
+        torch._foreach_clamp_min_(tmp, 0)
+        torch._foreach_sign_(params)
+        torch._foreach_mul_(params, neg_lr)
+        torch._foreach_mul_(params, tmp)
+    torch._foreach_copy_(tmp, squared_accums)
+    torch._foreach_sqrt_(tmp)
+    if l2_t_lr is not None:
+        torch._foreach_add_(tmp, l2_t_lr)
+    torch._foreach_div_(params, tmp)
 
 
 def _sparse_adagrad_da(p, indices, values, grad_accum, squared_accum, *, t, t_lr, l1, l2):

@@ -145,13 +145,15 @@ class FtrlOptimizer(Optimizer):
         }
 
     def _apply_dense(self, group, params, grads, slots, non_slot, hyper):
+        foreach = self._use_foreach(group, params)
         ftrl(
             params,
             grads,
             [s["accum"] for s in slots],
             [s["linear"] for s in slots],
             **_scalars(hyper),
-            foreach=self._use_foreach(group, params),
+            foreach=foreach,
+            scratch=self._scratch(params, 3) if foreach else None,
         )
 
     def _apply_sparse(self, group, p, indices, values, slots, non_slot, hyper):
@@ -159,16 +161,23 @@ class FtrlOptimizer(Optimizer):
 
 
 def _scalars(hyper: HyperScalars) -> dict[str, Tensor | None]:
-    """The kernel's scalars in the parameter dtype; None selects TF's plain (V1, sqrt) branches."""
+    """The kernel's scalars in the parameter dtype; None selects TF's plain (V1, sqrt) branches.
+
+    ``l1`` and ``two_l2`` are None where they are the Python number 0: those
+    terms then drop out (see :func:`ftrl`); a tensor or callable value is not
+    read on the host to find out.
+    """
     two = hyper.tensor(2.0)
     # TF branches in Python on the raw values: ApplyFtrlV2 when l2_shrinkage > 0,
     # and the kernels special-case lr_power == -0.5 as sqrt.
     shrinkage = hyper.value("l2_shrinkage_regularization_strength") > 0
     sqrt_power = hyper.value("learning_rate_power") == -0.5
+    no_l1 = hyper.is_zero("l1_regularization_strength")
+    no_l2 = hyper.is_zero("l2_regularization_strength") and hyper.is_zero("beta")
     return {
         "lr": hyper.lr,
-        "l1": hyper.l1_regularization_strength,
-        "two_l2": two * _adjusted_l2(hyper),
+        "l1": None if no_l1 else hyper.l1_regularization_strength,
+        "two_l2": None if no_l2 else two * _adjusted_l2(hyper),
         "two_l2_shrinkage": two * hyper.l2_shrinkage_regularization_strength if shrinkage else None,
         "neg_lr_power": None if sqrt_power else -hyper.learning_rate_power,
     }
@@ -189,12 +198,14 @@ def _power(x: Tensor, neg_lr_power: Tensor | None) -> Tensor:
     return x.sqrt() if neg_lr_power is None else torch.pow(x, neg_lr_power)
 
 
-def _foreach_power(xs: list[Tensor], neg_lr_power: Tensor | None) -> list[Tensor]:
+def _foreach_power_(xs: list[Tensor], neg_lr_power: Tensor | None) -> None:
+    """``x ← x ** -lr_power`` in place for every ``x`` in ``xs`` (see ``_power``)."""
     if neg_lr_power is None:
-        return torch._foreach_sqrt(xs)
-    # A list of exponents keeps torch.pow(Tensor, Tensor); a single 0-d tensor
-    # would become a Python scalar, whose kernel special-cases some exponents.
-    return torch._foreach_pow(xs, [neg_lr_power] * len(xs))
+        torch._foreach_sqrt_(xs)
+    else:
+        # A list of exponents keeps torch.pow(Tensor, Tensor); a single 0-d tensor
+        # would become a Python scalar, whose kernel special-cases some exponents.
+        torch._foreach_pow_(xs, [neg_lr_power] * len(xs))
 
 
 def ftrl(
@@ -204,30 +215,37 @@ def ftrl(
     linears: list[Tensor],
     *,
     lr: Tensor,
-    l1: Tensor,
-    two_l2: Tensor,
+    l1: Tensor | None,
+    two_l2: Tensor | None,
     two_l2_shrinkage: Tensor | None,
     neg_lr_power: Tensor | None,
     foreach: bool,
+    scratch: list[list[Tensor]] | None = None,
 ) -> None:
     """Functional form of :class:`FtrlOptimizer`'s dense update.
 
     ``two_l2`` is twice the effective L2 strength; ``two_l2_shrinkage`` is None
     for TF's ``ApplyFtrl`` (no shrinkage); ``neg_lr_power`` is None for
-    ``learning_rate_power == -0.5`` (square roots).
+    ``learning_rate_power == -0.5`` (square roots). ``l1=None`` stands for
+    λ₁ = 0 and ``two_l2=None`` for 2λ₂ = 0: the results are those of zero
+    tensors, without their no-op arithmetic (``y + 0`` is ``y``, as ``y ≥ +0``;
+    ``x`` is ``-l`` wherever the dead zone keeps ``x/y``). ``scratch``: three
+    lists of tensors shaped like ``params`` for the foreach path's temporaries
+    (allocated here when None).
     """
-    impl = _multi_tensor_ftrl if foreach else _single_tensor_ftrl
-    impl(
-        params,
-        grads,
-        accums,
-        linears,
-        lr=lr,
-        l1=l1,
-        two_l2=two_l2,
-        two_l2_shrinkage=two_l2_shrinkage,
-        neg_lr_power=neg_lr_power,
-    )
+    scalars = {
+        "lr": lr,
+        "l1": l1,
+        "two_l2": two_l2,
+        "two_l2_shrinkage": two_l2_shrinkage,
+        "neg_lr_power": neg_lr_power,
+    }
+    if not foreach:
+        _single_tensor_ftrl(params, grads, accums, linears, **scalars)
+        return
+    if scratch is None:
+        scratch = [[torch.empty_like(p) for p in params] for _ in range(3)]
+    _multi_tensor_ftrl(params, grads, accums, linears, **scalars, scratch=scratch)
 
 
 def _single_tensor_ftrl(
@@ -237,8 +255,8 @@ def _single_tensor_ftrl(
     linears: list[Tensor],
     *,
     lr: Tensor,
-    l1: Tensor,
-    two_l2: Tensor,
+    l1: Tensor | None,
+    two_l2: Tensor | None,
     two_l2_shrinkage: Tensor | None,
     neg_lr_power: Tensor | None,
 ) -> None:
@@ -248,9 +266,10 @@ def _single_tensor_ftrl(
         root = _power(new_a, neg_lr_power)
         sigma = (root - _power(a, neg_lr_power)).div_(lr)  # 3. σ = (n⁻ᵖ - a⁻ᵖ)/η
         lin.add_(g_hat - sigma.mul_(p))  # 4. l = l + (ĝ - σθ)
-        x = torch.sign(lin).mul_(l1).sub_(lin)  # 5. x = λ₁ sign(l) - l
-        y = root.div_(lr).add_(two_l2)  # 6. y = n⁻ᵖ/η + 2λ₂
-        p.copy_(torch.where(lin.abs() > l1, x.div_(y), 0.0))  # 7. θ = x/y where |l| > λ₁, else 0
+        x = lin.neg() if l1 is None else torch.sign(lin).mul_(l1).sub_(lin)  # 5. x = λ₁ sign(l) - l
+        y = root.div_(lr) if two_l2 is None else root.div_(lr).add_(two_l2)  # 6. y = n⁻ᵖ/η + 2λ₂
+        live = lin.abs() > (0.0 if l1 is None else l1)
+        p.copy_(torch.where(live, x.div_(y), 0.0))  # 7. θ = x/y where |l| > λ₁, else 0
         a.copy_(new_a)  # 8. a = n
 
 
@@ -261,35 +280,62 @@ def _multi_tensor_ftrl(
     linears: list[Tensor],
     *,
     lr: Tensor,
-    l1: Tensor,
-    two_l2: Tensor,
+    l1: Tensor | None,
+    two_l2: Tensor | None,
     two_l2_shrinkage: Tensor | None,
     neg_lr_power: Tensor | None,
+    scratch: list[list[Tensor]],
 ) -> None:
-    # n, n⁻ᵖ and at most two lists of temporaries are alive at a time.
-    new_as = torch._foreach_mul(grads, grads)
-    torch._foreach_add_(new_as, accums)
+    # Temporaries go into the three scratch lists (copy_ + in-place ops, no
+    # allocation); a is overwritten by n once a⁻ᵖ is taken. add_ of a bare 0-d
+    # tensor binds to the Scalar overload, which reads it on the host and costs
+    # ~4x the per-tensor overhead, so 2λ₂ goes in as a list.
+    tmp, step, roots = scratch
+    torch._foreach_copy_(tmp, grads)
+    torch._foreach_mul_(tmp, tmp)
+    torch._foreach_copy_(step, accums)
+    _foreach_power_(step, neg_lr_power)
+    torch._foreach_add_(accums, tmp)
+    torch._foreach_copy_(roots, accums)
+    _foreach_power_(roots, neg_lr_power)
+    torch._foreach_copy_(tmp, roots)
+    torch._foreach_sub_(tmp, step)
+    torch._foreach_div_(tmp, lr)
+    torch._foreach_mul_(tmp, params)
     if two_l2_shrinkage is None:
-        g_hat = grads
+        torch._foreach_copy_(step, grads)
     else:
-        g_hat = torch._foreach_mul(params, two_l2_shrinkage)
-        torch._foreach_add_(g_hat, grads)
-    roots = _foreach_power(new_as, neg_lr_power)
-    sigma = torch._foreach_sub(roots, _foreach_power(accums, neg_lr_power))
-    torch._foreach_div_(sigma, lr)
-    torch._foreach_mul_(sigma, params)
-    tmp = torch._foreach_sub(g_hat, sigma)
-    torch._foreach_add_(linears, tmp)
-    x = torch._foreach_sign(linears)
-    torch._foreach_mul_(x, l1)
-    torch._foreach_sub_(x, linears)
+        torch._foreach_copy_(step, params)
+        torch._foreach_mul_(step, two_l2_shrinkage)
+        torch._foreach_add_(step, grads)
+    torch._foreach_sub_(step, tmp)
+    torch._foreach_add_(linears, step)
     torch._foreach_div_(roots, lr)
-    torch._foreach_add_(roots, two_l2)
-    torch._foreach_div_(x, roots)
-    # There is no foreach select: the dead zone is applied tensor by tensor.
-    for p, lin, x_p in zip(params, linears, x, strict=True):
-        p.copy_(torch.where(lin.abs() > l1, x_p, 0.0))
-    torch._foreach_copy_(accums, new_as)
+    if two_l2 is not None:
+        torch._foreach_add_(roots, [two_l2] * len(roots))
+    # θ = (clamp(l, 0 - λ₁, λ₁) - l) / y, TF's sparse form, without a select:
+    # where |l| > λ₁ it is line 7's x/y (the clamp is ±λ₁ = sign(l)·λ₁), and
+    # elsewhere it is +0/y = +0, except that it is NaN where y is 0 or NaN, or l
+    # is NaN. The bound 0 - λ₁ is +0 when λ₁ = 0, so that clamping a +0 gives
+    # +0 whichever operand a kernel returns on ties; clamp(l, +0, +0) - l is 0 - l.
+    if l1 is None:
+        torch._foreach_zero_(params)
+    else:
+        torch._foreach_copy_(params, linears)
+        torch._foreach_clamp_min_(params, [torch.zeros_like(l1).sub_(l1)] * len(params))
+        torch._foreach_clamp_max_(params, [l1] * len(params))
+    torch._foreach_sub_(params, linears)
+    torch._foreach_div_(params, roots)
+    # torch.where is a scalar loop on CPU (several arithmetic passes' worth), so
+    # there it runs only on the tensors holding a NaN, found by their norms; on
+    # other devices it runs on every tensor rather than read the norms on the host.
+    if params[0].device.type == "cpu":
+        has_nan = torch.stack(torch._foreach_norm(params)).isnan().tolist()
+    else:
+        has_nan = [True] * len(params)
+    for p, lin, nan in zip(params, linears, has_nan, strict=True):
+        if nan:
+            p.copy_(torch.where(lin.abs() > (0.0 if l1 is None else l1), p, 0.0))
 
 
 def _sparse_ftrl(
@@ -300,8 +346,8 @@ def _sparse_ftrl(
     linear: Tensor,
     *,
     lr: Tensor,
-    l1: Tensor,
-    two_l2: Tensor,
+    l1: Tensor | None,
+    two_l2: Tensor | None,
     two_l2_shrinkage: Tensor | None,
     neg_lr_power: Tensor | None,
 ) -> None:
@@ -318,8 +364,8 @@ def _sparse_ftrl(
         lin = (lin + g_hat).sub_(sigma_theta)
     else:
         lin = lin + (g_hat - sigma_theta)
-    x = torch.clamp(lin, -l1, l1).sub_(lin)
-    y = root.div_(lr).add_(two_l2)
+    x = torch.zeros_like(lin).sub_(lin) if l1 is None else torch.clamp(lin, -l1, l1).sub_(lin)
+    y = root.div_(lr) if two_l2 is None else root.div_(lr).add_(two_l2)
     p.index_copy_(0, indices, x.div_(y))
     accum.index_copy_(0, indices, new_a)
     linear.index_copy_(0, indices, lin)

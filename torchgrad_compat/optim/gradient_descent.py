@@ -62,18 +62,38 @@ class GradientDescentOptimizer(Optimizer):
         super().__init__(params, {"lr": learning_rate, "foreach": foreach})
 
     def _apply_dense(self, group, params, grads, slots, non_slot, hyper):
-        gradient_descent(params, grads, lr=hyper.lr, foreach=self._use_foreach(group, params))
+        foreach = self._use_foreach(group, params)
+        gradient_descent(
+            params,
+            grads,
+            lr=hyper.lr,
+            foreach=foreach,
+            scratch=self._scratch(params, 1) if foreach else None,
+        )
 
     def _apply_sparse(self, group, p, indices, values, slots, non_slot, hyper):
         _sparse_gradient_descent(p, indices, values, lr=hyper.lr)
 
 
-def gradient_descent(params: list[Tensor], grads: list[Tensor], *, lr: Tensor, foreach: bool) -> None:
-    """Functional form of :class:`GradientDescentOptimizer`'s dense update."""
-    if foreach:
-        _multi_tensor_gradient_descent(params, grads, lr=lr)
-    else:
+def gradient_descent(
+    params: list[Tensor],
+    grads: list[Tensor],
+    *,
+    lr: Tensor,
+    foreach: bool,
+    scratch: list[list[Tensor]] | None = None,
+) -> None:
+    """Functional form of :class:`GradientDescentOptimizer`'s dense update.
+
+    ``scratch``: one list of tensors shaped like ``params`` for the foreach
+    path's temporary (allocated here when None).
+    """
+    if not foreach:
         _single_tensor_gradient_descent(params, grads, lr=lr)
+        return
+    if scratch is None:
+        scratch = [[torch.empty_like(p) for p in params]]
+    _multi_tensor_gradient_descent(params, grads, lr=lr, scratch=scratch)
 
 
 def _single_tensor_gradient_descent(params: list[Tensor], grads: list[Tensor], *, lr: Tensor) -> None:
@@ -81,8 +101,16 @@ def _single_tensor_gradient_descent(params: list[Tensor], grads: list[Tensor], *
         p.sub_(g * lr)  # θ = θ - g·η
 
 
-def _multi_tensor_gradient_descent(params: list[Tensor], grads: list[Tensor], *, lr: Tensor) -> None:
-    torch._foreach_sub_(params, torch._foreach_mul(grads, lr))
+def _multi_tensor_gradient_descent(
+    params: list[Tensor], grads: list[Tensor], *, lr: Tensor, scratch: list[list[Tensor]]
+) -> None:
+    # Three passes where torch.optim.SGD needs one: its add_(g, alpha=-lr) is a
+    # fused multiply-add, which does not round g·η before the subtraction as TF
+    # does. The product goes into the scratch list (copy_ + in-place, no allocation).
+    (step,) = scratch
+    torch._foreach_copy_(step, grads)
+    torch._foreach_mul_(step, lr)
+    torch._foreach_sub_(params, step)
 
 
 def _sparse_gradient_descent(p: Tensor, indices: Tensor, values: Tensor, *, lr: Tensor) -> None:

@@ -90,14 +90,17 @@ class MomentumOptimizer(Optimizer):
         return {"momentum": torch.zeros_like(p, memory_format=torch.preserve_format)}
 
     def _apply_dense(self, group, params, grads, slots, non_slot, hyper):
+        foreach = self._use_foreach(group, params)
+        use_nesterov = hyper.value("use_nesterov")
         momentum(
             params,
             grads,
             [s["momentum"] for s in slots],
             lr=hyper.lr,
             momentum=hyper.momentum,
-            use_nesterov=hyper.value("use_nesterov"),
-            foreach=self._use_foreach(group, params),
+            use_nesterov=use_nesterov,
+            foreach=foreach,
+            scratch=self._scratch(params, 2 if use_nesterov else 1) if foreach else None,
         )
 
     def _apply_sparse(self, group, p, indices, values, slots, non_slot, hyper):
@@ -121,10 +124,21 @@ def momentum(
     momentum: Tensor,
     use_nesterov: bool,
     foreach: bool,
+    scratch: list[list[Tensor]] | None = None,
 ) -> None:
-    """Functional form of :class:`MomentumOptimizer`'s dense update (scalars already in the params' dtype)."""
-    impl = _multi_tensor_momentum if foreach else _single_tensor_momentum
-    impl(params, grads, accums, lr=lr, momentum=momentum, use_nesterov=use_nesterov)
+    """Functional form of :class:`MomentumOptimizer`'s dense update (scalars already in the params' dtype).
+
+    ``scratch``: lists of tensors shaped like ``params`` for the foreach path's
+    temporaries, one (two with ``use_nesterov``); allocated here when None.
+    """
+    if not foreach:
+        _single_tensor_momentum(params, grads, accums, lr=lr, momentum=momentum, use_nesterov=use_nesterov)
+        return
+    if scratch is None:
+        scratch = [[torch.empty_like(p) for p in params] for _ in range(2 if use_nesterov else 1)]
+    _multi_tensor_momentum(
+        params, grads, accums, lr=lr, momentum=momentum, use_nesterov=use_nesterov, scratch=scratch
+    )
 
 
 def _single_tensor_momentum(params, grads, accums, *, lr, momentum, use_nesterov):
@@ -136,17 +150,25 @@ def _single_tensor_momentum(params, grads, accums, *, lr, momentum, use_nesterov
             p.sub_(a * lr)  # 2. θ = θ - aη
 
 
-def _multi_tensor_momentum(params, grads, accums, *, lr, momentum, use_nesterov):
+def _multi_tensor_momentum(params, grads, accums, *, lr, momentum, use_nesterov, scratch):
+    # Temporaries go into the scratch lists (copy_ + in-place ops, no allocation).
+    # Five passes (nine with Nesterov) where torch.optim.SGD needs three (four):
+    # its add_(buf, alpha=-lr) fuses the product into the subtraction, one
+    # rounding where TF has two.
     torch._foreach_mul_(accums, momentum)
     torch._foreach_add_(accums, grads)
+    step = scratch[0]
     if use_nesterov:
-        # Two lists of intermediates at a time: g·η and (a·μ)·η.
-        step = torch._foreach_mul(grads, lr)
-        tmp = torch._foreach_mul(accums, momentum)
+        tmp = scratch[1]
+        torch._foreach_copy_(step, grads)
+        torch._foreach_mul_(step, lr)
+        torch._foreach_copy_(tmp, accums)
+        torch._foreach_mul_(tmp, momentum)
         torch._foreach_mul_(tmp, lr)
         torch._foreach_add_(step, tmp)
     else:
-        step = torch._foreach_mul(accums, lr)
+        torch._foreach_copy_(step, accums)
+        torch._foreach_mul_(step, lr)
     torch._foreach_sub_(params, step)
 
 

@@ -8,7 +8,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from ._base import Hyper, Optimizer
+from ._base import Hyper, HyperScalars, Optimizer
 from .adagrad import constant_slot
 
 __all__ = ["ProximalAdagradOptimizer", "proximal_adagrad"]
@@ -31,7 +31,13 @@ class ProximalAdagradOptimizer(Optimizer):
 
     with :math:`\eta_t` evaluated as ``η·rsqrt(a)``. L1 shrinks towards zero
     (exactly zero inside the dead zone) and L2 divides; neither is a gradient
-    term.
+    term. As in TF's kernel, :math:`\lambda_1 = 0` takes the form
+    :math:`\theta'/(1 + \lambda_2\eta_t)`, which differs from the one above only
+    in the sign of a zero. :math:`\lambda_2 = 0` skips the division by
+    :math:`1 + 0\cdot\eta_t = 1` (TF divides; the two differ only where
+    :math:`\eta_t` overflows to infinity, where TF's quotient is NaN). Only a
+    Python number is tested for 0: a tensor or callable value keeps the
+    general form, since choosing would read it on the host.
 
     Slots: ``accumulator`` (``initial_accumulator_value``, made directly in the
     parameter dtype); torch has no counterpart.
@@ -106,20 +112,28 @@ class ProximalAdagradOptimizer(Optimizer):
         return {"accumulator": constant_slot(p, group["initial_accumulator_value"])}
 
     def _apply_dense(self, group, params, grads, slots, non_slot, hyper):
+        foreach = self._use_foreach(group, params)
+        scalars = _scalars(hyper)
         proximal_adagrad(
             params,
             grads,
             [s["accumulator"] for s in slots],
-            lr=hyper.lr,
-            l1=hyper.l1,
-            l2=hyper.l2,
-            foreach=self._use_foreach(group, params),
+            **scalars,
+            foreach=foreach,
+            scratch=self._scratch(params, 2 if scalars["l1"] is None else 3) if foreach else None,
         )
 
     def _apply_sparse(self, group, p, indices, values, slots, non_slot, hyper):
-        _sparse_proximal_adagrad(
-            p, indices, values, slots["accumulator"], lr=hyper.lr, l1=hyper.l1, l2=hyper.l2
-        )
+        _sparse_proximal_adagrad(p, indices, values, slots["accumulator"], **_scalars(hyper))
+
+
+def _scalars(hyper: HyperScalars) -> dict[str, Tensor | None]:
+    """η, λ₁ and λ₂ in the params' dtype; None for a λ that is the Python number 0."""
+    return {
+        "lr": hyper.lr,
+        "l1": None if hyper.is_zero("l1") else hyper.l1,
+        "l2": None if hyper.is_zero("l2") else hyper.l2,
+    }
 
 
 def proximal_adagrad(
@@ -128,42 +142,68 @@ def proximal_adagrad(
     accums: list[Tensor],
     *,
     lr: Tensor,
-    l1: Tensor,
-    l2: Tensor,
+    l1: Tensor | None,
+    l2: Tensor | None,
     foreach: bool,
+    scratch: list[list[Tensor]] | None = None,
 ) -> None:
-    """Functional form of :class:`ProximalAdagradOptimizer`'s dense update (scalars in the params' dtype)."""
-    impl = _multi_tensor_proximal_adagrad if foreach else _single_tensor_proximal_adagrad
-    impl(params, grads, accums, lr=lr, l1=l1, l2=l2)
+    """Functional form of :class:`ProximalAdagradOptimizer`'s dense update (scalars in the params' dtype).
+
+    ``l1=None`` selects TF's λ₁ = 0 form θ'/(1 + λ₂η_t); ``l2=None`` skips that
+    division. ``scratch``: lists of tensors shaped like ``params`` for the
+    foreach path's temporaries, two (three when ``l1`` is given); allocated
+    here when None.
+    """
+    if not foreach:
+        _single_tensor_proximal_adagrad(params, grads, accums, lr=lr, l1=l1, l2=l2)
+        return
+    if scratch is None:
+        scratch = [[torch.empty_like(p) for p in params] for _ in range(2 if l1 is None else 3)]
+    _multi_tensor_proximal_adagrad(params, grads, accums, lr=lr, l1=l1, l2=l2, scratch=scratch)
 
 
 def _single_tensor_proximal_adagrad(params, grads, accums, *, lr, l1, l2):
-    # TF branches on λ₁ > 0; with λ₁ = 0 the λ₁ form below gives the same bits
-    # (sign(θ')·max(|θ'| - 0, 0) = θ', up to the sign of a zero), so one form
-    # serves both, as in TF's GPU kernel.
     for p, g, a in zip(params, grads, accums, strict=True):
         a.add_(g * g)  # 1. a = a + g²
         lr_t = a.rsqrt().mul_(lr)  # 2. η_t = η·rsqrt(a)
         p.sub_(g * lr_t)  # 3. θ' = θ - g·η_t
-        shrunk = (p.abs() - lr_t * l1).clamp_min_(0)
-        p.copy_(p.sign().mul_(shrunk).div_(lr_t.mul_(l2).add_(1)))  # 4. θ = sign(θ')·max(…) / (1 + λ₂η_t)
+        if l1 is not None:
+            shrunk = (p.abs() - lr_t * l1).clamp_min_(0)
+            p.sign_().mul_(shrunk)  # 4. θ' ← sign(θ')·max(|θ'| - η_tλ₁, 0)
+        if l2 is not None:
+            p.div_(lr_t.mul_(l2).add_(1))  # 5. θ = θ' / (1 + λ₂η_t)
 
 
-def _multi_tensor_proximal_adagrad(params, grads, accums, *, lr, l1, l2):
-    torch._foreach_add_(accums, torch._foreach_mul(grads, grads))
-    lr_t = torch._foreach_rsqrt(accums)
+def _multi_tensor_proximal_adagrad(params, grads, accums, *, lr, l1, l2, scratch):
+    # Temporaries go into the scratch lists (copy_ + in-place ops, no
+    # allocation); g² is taken of the scratch copy (tmp * tmp), which reads one
+    # list instead of two.
+    tmp, lr_t = scratch[:2]
+    torch._foreach_copy_(tmp, grads)
+    torch._foreach_mul_(tmp, tmp)
+    torch._foreach_add_(accums, tmp)
+    torch._foreach_copy_(lr_t, accums)
+    torch._foreach_rsqrt_(lr_t)
     torch._foreach_mul_(lr_t, lr)
-    torch._foreach_sub_(params, torch._foreach_mul(grads, lr_t))
-    shrunk = torch._foreach_abs(params)
-    torch._foreach_sub_(shrunk, torch._foreach_mul(lr_t, l1))
-    torch._foreach_clamp_min_(shrunk, 0)
-    new = torch._foreach_sign(params)
-    torch._foreach_mul_(new, shrunk)
-    # lr_t is not needed after the denominator, so it becomes the denominator.
-    torch._foreach_mul_(lr_t, l2)
-    torch._foreach_add_(lr_t, 1)
-    torch._foreach_div_(new, lr_t)
-    torch._foreach_copy_(params, new)
+    torch._foreach_copy_(tmp, grads)
+    torch._foreach_mul_(tmp, lr_t)
+    torch._foreach_sub_(params, tmp)
+    if l1 is not None:
+        shrunk = scratch[2]
+        torch._foreach_copy_(shrunk, params)
+        torch._foreach_abs_(shrunk)
+        torch._foreach_copy_(tmp, lr_t)
+        torch._foreach_mul_(tmp, l1)
+        torch._foreach_sub_(shrunk, tmp)
+        torch._foreach_clamp_min_(shrunk, 0)
+        torch._foreach_sign_(params)
+        torch._foreach_mul_(params, shrunk)
+    if l2 is not None:
+        torch._foreach_mul_(lr_t, l2)
+        # add_ of a bare number binds to the Scalar overload, which wraps it for
+        # every tensor (~4x the per-tensor overhead); a list of a 0-d 1 broadcasts.
+        torch._foreach_add_(lr_t, [torch.ones_like(l2)] * len(lr_t))
+        torch._foreach_div_(params, lr_t)
 
 
 def _sparse_proximal_adagrad(p, indices, values, accum, *, lr, l1, l2):

@@ -8,7 +8,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from ._base import Hyper, Optimizer
+from ._base import Hyper, HyperScalars, Optimizer
 
 __all__ = ["ProximalGradientDescentOptimizer", "proximal_gradient_descent"]
 
@@ -27,7 +27,11 @@ class ProximalGradientDescentOptimizer(Optimizer):
 
     L1 shrinks towards zero (exactly zero inside the dead zone) and L2 divides;
     neither is a gradient term. With :math:`\lambda_1 = \lambda_2 = 0` this is
-    plain gradient descent.
+    plain gradient descent. As in TF's kernel, :math:`\lambda_1 = 0` takes the
+    form :math:`\theta'/(1 + \lambda_2\eta)`, which differs from the one above
+    only in the sign of a zero; a :math:`\lambda_1` given as a tensor (or a
+    callable returning one) always takes the general form, since choosing would
+    read it on the host.
 
     Slots: none.
 
@@ -92,24 +96,33 @@ class ProximalGradientDescentOptimizer(Optimizer):
         super().__init__(params, defaults)
 
     def _apply_dense(self, group, params, grads, slots, non_slot, hyper):
+        foreach = self._use_foreach(group, params)
         proximal_gradient_descent(
             params,
             grads,
-            lr=hyper.lr,
-            lr_l1=hyper.lr * hyper.l1,
-            denom=hyper.one + hyper.l2 * hyper.lr,
-            foreach=self._use_foreach(group, params),
+            **_scalars(hyper),
+            foreach=foreach,
+            scratch=self._scratch(params, 1) if foreach else None,
         )
 
     def _apply_sparse(self, group, p, indices, values, slots, non_slot, hyper):
-        _sparse_proximal_gradient_descent(
-            p,
-            indices,
-            values,
-            lr=hyper.lr,
-            lr_l1=hyper.lr * hyper.l1,
-            denom=hyper.one + hyper.l2 * hyper.lr,
-        )
+        _sparse_proximal_gradient_descent(p, indices, values, **_scalars(hyper))
+
+
+def _scalars(hyper: HyperScalars) -> dict[str, Tensor | None]:
+    """η, η·λ₁ and 1 + λ₂·η in the params' dtype; None where the term drops out.
+
+    TF's kernel branches on λ₁ > 0 and uses the plain form θ'/(1 + λ₂η) when
+    λ₁ = 0 (``lr_l1=None``); with λ₂ = 0 that division is by exactly 1 and is
+    skipped (``denom=None``). Only a Python number is tested: a tensor or
+    callable value keeps the general form, since branching on it would read
+    it on the host.
+    """
+    return {
+        "lr": hyper.lr,
+        "lr_l1": None if hyper.is_zero("l1") else hyper.lr * hyper.l1,
+        "denom": None if hyper.is_zero("l2") else hyper.one + hyper.l2 * hyper.lr,
+    }
 
 
 def proximal_gradient_descent(
@@ -117,37 +130,52 @@ def proximal_gradient_descent(
     grads: list[Tensor],
     *,
     lr: Tensor,
-    lr_l1: Tensor,
-    denom: Tensor,
+    lr_l1: Tensor | None,
+    denom: Tensor | None,
     foreach: bool,
+    scratch: list[list[Tensor]] | None = None,
 ) -> None:
     """Functional form of :class:`ProximalGradientDescentOptimizer`'s dense update.
 
-    ``lr_l1`` = η·λ₁ and ``denom`` = 1 + λ₂·η, each rounded in the params' dtype.
+    ``lr_l1`` = η·λ₁ and ``denom`` = 1 + λ₂·η, each rounded in the params'
+    dtype. ``lr_l1=None`` selects TF's λ₁ = 0 form θ'/(1 + λ₂η); ``denom=None``
+    leaves out the division (λ₂ = 0). ``scratch``: one list of tensors shaped
+    like ``params`` for the foreach path's temporary (allocated here when None).
     """
-    impl = _multi_tensor_proximal_gradient_descent if foreach else _single_tensor_proximal_gradient_descent
-    impl(params, grads, lr=lr, lr_l1=lr_l1, denom=denom)
+    if not foreach:
+        _single_tensor_proximal_gradient_descent(params, grads, lr=lr, lr_l1=lr_l1, denom=denom)
+        return
+    if scratch is None:
+        scratch = [[torch.empty_like(p) for p in params]]
+    _multi_tensor_proximal_gradient_descent(params, grads, lr=lr, lr_l1=lr_l1, denom=denom, scratch=scratch)
 
 
 def _single_tensor_proximal_gradient_descent(params, grads, *, lr, lr_l1, denom):
-    # TF branches on λ₁ > 0; with λ₁ = 0 the λ₁ form below gives the same bits
-    # (sign(θ')·max(|θ'| - 0, 0) = θ', up to the sign of a zero), so one form
-    # serves both.
     for p, g in zip(params, grads, strict=True):
         p.sub_(g * lr)  # 1. θ' = θ - gη
-        shrunk = (p.abs() - lr_l1).clamp_min_(0)
-        p.copy_(p.sign().mul_(shrunk).div_(denom))  # 2. θ = sign(θ')·max(|θ'| - ηλ₁, 0) / (1 + λ₂η)
+        if lr_l1 is not None:
+            shrunk = (p.abs() - lr_l1).clamp_min_(0)
+            p.sign_().mul_(shrunk)  # 2. θ = sign(θ')·max(|θ'| - ηλ₁, 0) …  (λ₁ = 0: θ')
+        if denom is not None:
+            p.div_(denom)  #    … / (1 + λ₂η)
 
 
-def _multi_tensor_proximal_gradient_descent(params, grads, *, lr, lr_l1, denom):
-    torch._foreach_sub_(params, torch._foreach_mul(grads, lr))
-    shrunk = torch._foreach_abs(params)
-    torch._foreach_sub_(shrunk, lr_l1)
-    torch._foreach_clamp_min_(shrunk, 0)
-    new = torch._foreach_sign(params)
-    torch._foreach_mul_(new, shrunk)
-    torch._foreach_div_(new, denom)
-    torch._foreach_copy_(params, new)
+def _multi_tensor_proximal_gradient_descent(params, grads, *, lr, lr_l1, denom, scratch):
+    # The one temporary goes into the scratch list (copy_ + in-place ops, no
+    # allocation); θ' and the shrunk value are built in the parameters themselves.
+    (tmp,) = scratch
+    torch._foreach_copy_(tmp, grads)
+    torch._foreach_mul_(tmp, lr)
+    torch._foreach_sub_(params, tmp)
+    if lr_l1 is not None:
+        torch._foreach_copy_(tmp, params)
+        torch._foreach_abs_(tmp)
+        torch._foreach_sub_(tmp, lr_l1)
+        torch._foreach_clamp_min_(tmp, 0)
+        torch._foreach_sign_(params)
+        torch._foreach_mul_(params, tmp)
+    if denom is not None:
+        torch._foreach_div_(params, denom)
 
 
 def _sparse_proximal_gradient_descent(p, indices, values, *, lr, lr_l1, denom):

@@ -127,6 +127,7 @@ class RMSPropOptimizer(Optimizer):
 
     def _apply_dense(self, group, params, grads, slots, non_slot, hyper):
         centered = group["centered"]
+        foreach = self._use_foreach(group, params)
         rmsprop(
             params,
             grads,
@@ -138,7 +139,8 @@ class RMSPropOptimizer(Optimizer):
             momentum=hyper.momentum,
             epsilon=hyper.epsilon,
             centered=centered,
-            foreach=self._use_foreach(group, params),
+            foreach=foreach,
+            scratch=self._scratch(params, 2) if foreach else None,
         )
 
     def _apply_sparse(self, group, p, indices, values, slots, non_slot, hyper):
@@ -166,10 +168,30 @@ def rmsprop(
     epsilon: Tensor,
     centered: bool,
     foreach: bool,
+    scratch: list[list[Tensor]] | None = None,
 ) -> None:
-    """Functional form of :class:`RMSPropOptimizer`'s dense update (``mgs`` is empty unless centered)."""
-    impl = _multi_tensor_rmsprop if foreach else _single_tensor_rmsprop
-    impl(
+    """Functional form of :class:`RMSPropOptimizer`'s dense update (``mgs`` is empty unless centered).
+
+    ``scratch``: two lists of tensors shaped like ``params`` for the foreach
+    path's temporaries (allocated here when None).
+    """
+    if not foreach:
+        _single_tensor_rmsprop(
+            params,
+            grads,
+            mss,
+            moms,
+            mgs,
+            lr=lr,
+            one_minus_decay=one_minus_decay,
+            momentum=momentum,
+            epsilon=epsilon,
+            centered=centered,
+        )
+        return
+    if scratch is None:
+        scratch = [[torch.empty_like(p) for p in params] for _ in range(2)]
+    _multi_tensor_rmsprop(
         params,
         grads,
         mss,
@@ -180,6 +202,7 @@ def rmsprop(
         momentum=momentum,
         epsilon=epsilon,
         centered=centered,
+        scratch=scratch,
     )
 
 
@@ -220,26 +243,37 @@ def _multi_tensor_rmsprop(
     momentum: Tensor,
     epsilon: Tensor,
     centered: bool,
+    scratch: list[list[Tensor]],
 ) -> None:
-    # One list of temporaries at a time (two while the step is formed), reused in place.
-    tmp = torch._foreach_mul(grads, grads)
+    # Temporaries go into the two scratch lists (copy_ + in-place ops, no
+    # allocation); squares are taken of a scratch copy (tmp * tmp), which reads
+    # one list instead of two. addcdiv_ with value=1 rounds as mom + q (the
+    # product by 1 is exact). add_ of a bare 0-d tensor binds to the Scalar
+    # overload, which reads it on the host and costs ~4x the per-tensor
+    # overhead, so ε goes in as a list.
+    tmp, denom = scratch
+    torch._foreach_copy_(tmp, grads)
+    torch._foreach_mul_(tmp, tmp)
     torch._foreach_sub_(tmp, mss)
     torch._foreach_mul_(tmp, one_minus_decay)
     torch._foreach_add_(mss, tmp)
     if centered:
-        tmp = torch._foreach_sub(grads, mgs)
+        torch._foreach_copy_(tmp, grads)
+        torch._foreach_sub_(tmp, mgs)
         torch._foreach_mul_(tmp, one_minus_decay)
         torch._foreach_add_(mgs, tmp)
-        tmp = torch._foreach_mul(mgs, mgs)
-        denom = torch._foreach_sub(mss, tmp)
-        torch._foreach_add_(denom, epsilon)
+        torch._foreach_copy_(tmp, mgs)
+        torch._foreach_mul_(tmp, tmp)
+        torch._foreach_copy_(denom, mss)
+        torch._foreach_sub_(denom, tmp)
     else:
-        denom = torch._foreach_add(mss, epsilon)
+        torch._foreach_copy_(denom, mss)
+    torch._foreach_add_(denom, [epsilon] * len(denom))
     torch._foreach_sqrt_(denom)
-    tmp = torch._foreach_mul(grads, lr)
-    torch._foreach_div_(tmp, denom)
+    torch._foreach_copy_(tmp, grads)
+    torch._foreach_mul_(tmp, lr)
     torch._foreach_mul_(moms, momentum)
-    torch._foreach_add_(moms, tmp)
+    torch._foreach_addcdiv_(moms, tmp, denom, value=1)
     torch._foreach_sub_(params, moms)
 
 
