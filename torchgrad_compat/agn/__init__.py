@@ -1,0 +1,42 @@
+"""Asynchronous training with a parameter server: TF contrib's AGN (Accumulated Gradient Normalization).
+
+Workers wrap their optimizer in :class:`AGNOptimizer`; one process runs
+:func:`run_parameter_server`. The math is in ``optimizer.py`` and ``server.py``,
+the transport (``torch.distributed.rpc`` by default) in ``transport.py``.
+"""
+
+from .optimizer import AGNOptimizer
+from .server import (
+    AGNError,
+    AGNServerNotReadyError,
+    AGNServerUnavailableError,
+    AGNWorkerLostWarning,
+    ParameterServer,
+    run_parameter_server,
+)
+from .transport import (
+    LocalEndpoint,
+    LocalServerHost,
+    RpcEndpoint,
+    RpcServerHost,
+    ServerEndpoint,
+    ServerHost,
+    init_rpc_from_env,
+)
+
+__all__ = [
+    "AGNError",
+    "AGNOptimizer",
+    "AGNServerNotReadyError",
+    "AGNServerUnavailableError",
+    "AGNWorkerLostWarning",
+    "LocalEndpoint",
+    "LocalServerHost",
+    "ParameterServer",
+    "RpcEndpoint",
+    "RpcServerHost",
+    "ServerEndpoint",
+    "ServerHost",
+    "init_rpc_from_env",
+    "run_parameter_server",
+]

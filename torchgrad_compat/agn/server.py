@@ -1,0 +1,368 @@
+"""The AGN parameter server: center parameters, the server's optimizer, and every request under one lock.
+
+This module knows nothing of the network. A transport (``transport.py``) hands
+it requests (``join``, ``push``, ``finish``) with the calling worker's name and
+tells it which workers are still alive; ``run_parameter_server`` joins the two.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import threading
+import warnings
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from ..optim._base import _describe
+
+__all__ = [
+    "AGNError",
+    "AGNServerNotReadyError",
+    "AGNServerUnavailableError",
+    "AGNWorkerLostWarning",
+    "ParameterServer",
+    "run_parameter_server",
+]
+
+CHECKPOINT_FORMAT = "torchgrad_compat.agn.server/1"
+
+
+class AGNError(RuntimeError):
+    """A request the AGN server refused: unknown worker, stale worker incarnation, a shut-down server."""
+
+
+class AGNServerNotReadyError(AGNError):
+    """The server process is up but no parameter server of that name is serving yet; workers retry."""
+
+
+class AGNServerUnavailableError(AGNError):
+    """The AGN server did not answer: it died, stopped answering within the timeout, or never started."""
+
+
+class AGNWorkerLostWarning(RuntimeWarning):
+    """A worker stopped answering before it called ``finish()``; the server went on without it."""
+
+
+@dataclasses.dataclass
+class _Worker:
+    incarnation: int = 0
+    last_seq: int = 0
+    pushes: int = 0
+    state: str = "running"  # "running", "finished" or "dead"
+
+
+def _apply(optimizer: torch.optim.Optimizer, params: list[Tensor], grads: dict[int, Tensor]) -> None:
+    """One update of ``optimizer`` over ``params``; parameters without an entry in ``grads`` are skipped."""
+    if hasattr(optimizer, "apply_gradients"):
+        optimizer.apply_gradients([(grads[i], p) for i, p in enumerate(params) if i in grads])
+        return
+    for i, p in enumerate(params):
+        p.grad = grads.get(i)
+    optimizer.step()
+    for p in params:
+        p.grad = None
+
+
+class ParameterServer:
+    """Center copies of ``params`` and ``optimizer_fn(center)``; requests are applied one at a time.
+
+    Contract:
+
+    * ``join`` returns the current center (TF's ``get_init_op``: local := center)
+      and starts a new *incarnation* of that worker: a restarted worker of the same
+      name is welcome, and pushes of the old incarnation are refused.
+    * ``push`` applies the server's optimizer once to the center with the pushed
+      (already normalized) gradients and returns the center after the update. The
+      whole of it runs under one lock, so N workers × K pushes are exactly N·K
+      updates. A repeated ``(incarnation, seq)`` is answered without applying it
+      again, so a retried push is never applied twice.
+    * Pushes are validated before the lock is taken: index, layout, shape and
+      dtype must match the center; a bad push raises ``ValueError``/``TypeError``
+      to that worker and leaves the center untouched.
+    * The server's optimizer is its own object with its own state. Unlike TF
+      contrib, where the local and center applies share one Adam and its
+      ``beta1_power`` advances on both (twice per communication), here the
+      server's Adam advances once per push and the workers' once per local step.
+    * Every ``checkpoint_every`` updates the center, the optimizer's
+      ``state_dict`` and ``global_step`` are saved to ``checkpoint_path`` (plain
+      tensors and numbers: ``torch.load(weights_only=True)`` reads it);
+      ``restore_from`` continues from such a file.
+    """
+
+    def __init__(
+        self,
+        params: Iterable[Tensor],
+        optimizer_fn: Callable[[list[Tensor]], torch.optim.Optimizer],
+        num_worker: int,
+        *,
+        name: str = "ps",
+        checkpoint_path: str | os.PathLike[str] | None = None,
+        checkpoint_every: int = 0,
+        restore_from: str | os.PathLike[str] | None = None,
+    ):
+        if isinstance(num_worker, bool) or not isinstance(num_worker, int) or num_worker < 1:
+            raise ValueError(f"num_worker must be an int >= 1, got {num_worker!r}")
+        if (
+            isinstance(checkpoint_every, bool)
+            or not isinstance(checkpoint_every, int)
+            or checkpoint_every < 0
+        ):
+            raise ValueError(f"checkpoint_every must be an int >= 0, got {checkpoint_every!r}")
+        if checkpoint_every and checkpoint_path is None:
+            raise ValueError(f"checkpoint_every={checkpoint_every} needs a checkpoint_path")
+        params = list(params)
+        if not params:
+            raise ValueError("params must hold at least one tensor, got an empty list")
+        for p in params:
+            if not isinstance(p, Tensor):
+                raise TypeError(f"params must be tensors, got {_describe(p)}")
+        self.name = name
+        self.num_worker = num_worker
+        self.center = [p.detach().clone() for p in params]
+        self.optimizer = optimizer_fn(self.center)
+        if not isinstance(self.optimizer, torch.optim.Optimizer):
+            raise TypeError(
+                f"optimizer_fn must return a torch.optim.Optimizer, got {_describe(self.optimizer)}"
+            )
+        self.global_step = 0
+        self.workers: dict[str, _Worker] = {}
+        self._checkpoint_path = None if checkpoint_path is None else os.fspath(checkpoint_path)
+        self._checkpoint_every = checkpoint_every
+        self._lock = threading.Lock()
+        self._changed = threading.Condition(self._lock)
+        if restore_from is not None:
+            self._restore(os.fspath(restore_from))
+
+    # ------------------------------------------------------------------ requests
+    def join(
+        self, worker: str, num_worker: int, specs: Sequence[tuple[tuple[int, ...], torch.dtype]]
+    ) -> tuple:
+        """Register ``worker``; ``(incarnation, center, global_step)``. The worker's parameters must match."""
+        if num_worker != self.num_worker:
+            raise ValueError(
+                f"AGN server {self.name!r} serves num_worker={self.num_worker}, worker {worker!r} "
+                f"has num_worker={num_worker}"
+            )
+        expected = [(tuple(c.shape), c.dtype) for c in self.center]
+        if [(tuple(s), d) for s, d in specs] != expected:
+            raise ValueError(
+                f"AGN server {self.name!r}: worker {worker!r} has parameters {list(specs)}, "
+                f"the center has {expected}"
+            )
+        with self._lock:
+            record = self.workers.setdefault(worker, _Worker())
+            record.incarnation += 1
+            record.last_seq = 0
+            record.state = "running"
+            self._changed.notify_all()
+            return record.incarnation, self._center_copy(), self.global_step
+
+    def push(
+        self, worker: str, incarnation: int, seq: int, grads: dict[int, Tensor]
+    ) -> tuple[list[Tensor], int]:
+        """Apply one normalized push from ``worker``; ``(center, global_step)`` after it."""
+        self._check_push(worker, grads)
+        with self._lock:
+            record = self._running(worker, incarnation)
+            if seq > record.last_seq:
+                with torch.no_grad():
+                    _apply(self.optimizer, self.center, grads)
+                record.last_seq = seq
+                record.pushes += 1
+                self.global_step += 1
+                if self._checkpoint_every and self.global_step % self._checkpoint_every == 0:
+                    self._save()
+            return self._center_copy(), self.global_step
+
+    def finish(self, worker: str, incarnation: int) -> int:
+        """Record that ``worker`` is done; the server's ``global_step``."""
+        with self._lock:
+            self._running(worker, incarnation).state = "finished"
+            self._changed.notify_all()
+            return self.global_step
+
+    def snapshot(self, worker: str) -> tuple[list[Tensor], int]:
+        """``(center, global_step)`` without changing anything (monitoring and tests)."""
+        with self._lock:
+            return self._center_copy(), self.global_step
+
+    def mark_dead(self, worker: str) -> None:
+        """A transport found ``worker`` gone before ``finish()``: stop waiting for it."""
+        with self._lock:
+            record = self.workers.get(worker)
+            if record is not None and record.state == "running":
+                record.state = "dead"
+                self._changed.notify_all()
+
+    # ------------------------------------------------------------------ waiting
+    @property
+    def done(self) -> bool:
+        """Every one of ``num_worker`` workers has finished or died."""
+        ended = sum(r.state != "running" for r in self.workers.values())
+        return ended >= self.num_worker
+
+    def running_workers(self) -> list[str]:
+        with self._lock:
+            return [w for w, r in self.workers.items() if r.state == "running"]
+
+    def dead_workers(self) -> list[str]:
+        with self._lock:
+            return [w for w, r in self.workers.items() if r.state == "dead"]
+
+    def wait(self, timeout: float) -> bool:
+        """Block up to ``timeout`` seconds for :attr:`done`; whether it is."""
+        with self._lock:
+            return self._changed.wait_for(lambda: self.done, timeout=timeout)
+
+    # ------------------------------------------------------------------ checkpoints
+    def state_dict(self) -> dict[str, Any]:
+        with self._lock:
+            return self._state_dict()
+
+    def _state_dict(self) -> dict[str, Any]:
+        return {
+            "format": CHECKPOINT_FORMAT,
+            "center": self._center_copy(),
+            "optimizer": self.optimizer.state_dict(),
+            "global_step": self.global_step,
+        }
+
+    def _save(self) -> None:
+        # Written beside the target and renamed, so a crash mid-save leaves the previous checkpoint.
+        tmp = f"{self._checkpoint_path}.tmp"
+        torch.save(self._state_dict(), tmp)
+        os.replace(tmp, self._checkpoint_path)
+
+    def _restore(self, path: str) -> None:
+        state = torch.load(path, weights_only=True)
+        if not isinstance(state, dict) or state.get("format") != CHECKPOINT_FORMAT:
+            raise ValueError(f"{path} is not an AGN server checkpoint ({CHECKPOINT_FORMAT})")
+        center = state["center"]
+        expected = [(tuple(c.shape), c.dtype) for c in self.center]
+        found = [(tuple(c.shape), c.dtype) for c in center]
+        if found != expected:
+            raise ValueError(f"checkpoint {path} holds parameters {found}, the server has {expected}")
+        with torch.no_grad():
+            for c, saved in zip(self.center, center, strict=True):
+                c.copy_(saved)
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.global_step = int(state["global_step"])
+
+    # ------------------------------------------------------------------ helpers
+    def _center_copy(self) -> list[Tensor]:
+        return [c.clone() for c in self.center]
+
+    def _running(self, worker: str, incarnation: int) -> _Worker:
+        record = self.workers.get(worker)
+        if record is None:
+            raise AGNError(f"AGN server {self.name!r}: worker {worker!r} has not joined")
+        if incarnation != record.incarnation:
+            raise AGNError(
+                f"AGN server {self.name!r}: worker {worker!r} incarnation {incarnation} was replaced by "
+                f"{record.incarnation} (the worker rejoined)"
+            )
+        if record.state != "running":
+            raise AGNError(f"AGN server {self.name!r}: worker {worker!r} is {record.state}")
+        return record
+
+    def _check_push(self, worker: str, grads: Any) -> None:
+        where = f"AGN server {self.name!r}: push from worker {worker!r}"
+        if not isinstance(grads, dict) or not grads:
+            got = f"{len(grads)} entries" if isinstance(grads, dict) else type(grads).__name__
+            raise TypeError(f"{where} must be a non-empty dict of parameter index to tensor, got {got}")
+        for i, g in grads.items():
+            if isinstance(i, bool) or not isinstance(i, int) or not 0 <= i < len(self.center):
+                raise ValueError(
+                    f"{where} names parameter {i!r}; the center has {len(self.center)} parameters"
+                )
+            if not isinstance(g, Tensor) or g.layout != torch.strided:
+                kind = g.layout if isinstance(g, Tensor) else type(g).__name__
+                raise TypeError(f"{where}: gradient {i} must be a dense tensor, got {kind}")
+            c = self.center[i]
+            if g.shape != c.shape or g.dtype != c.dtype:
+                raise ValueError(
+                    f"{where}: gradient {i} is {_describe(g)}, the center parameter is {_describe(c)}"
+                )
+
+
+def serve(server: ParameterServer, is_alive: Callable[[str], bool], liveness_interval: float) -> list[Tensor]:
+    """Wait until every worker has finished or died, probing running workers every ``liveness_interval`` s.
+
+    Returns copies of the final center tensors; warns with
+    :class:`AGNWorkerLostWarning` naming the workers that died.
+    """
+    while not server.wait(liveness_interval):
+        for worker in server.running_workers():
+            if not is_alive(worker):
+                server.mark_dead(worker)
+    dead = server.dead_workers()
+    if dead:
+        warnings.warn(
+            f"AGN server {server.name!r}: worker(s) {dead} stopped answering before finish(); "
+            f"the server served the others to the end ({server.global_step} updates)",
+            AGNWorkerLostWarning,
+            stacklevel=2,
+        )
+    with server._lock:
+        return server._center_copy()
+
+
+def run_parameter_server(
+    params: Iterable[Tensor],
+    optimizer_fn: Callable[[list[Tensor]], torch.optim.Optimizer],
+    num_worker: int,
+    *,
+    name: str = "ps",
+    checkpoint_path: str | os.PathLike[str] | None = None,
+    checkpoint_every: int = 0,
+    restore_from: str | os.PathLike[str] | None = None,
+    liveness_interval: float = 1.0,
+    transport: Any = None,
+) -> list[Tensor]:
+    """Serve AGN workers until each of ``num_worker`` has called ``finish()`` or died; the final center.
+
+    Call on the server process after RPC is initialised (``name`` is this
+    process's RPC name, which workers pass as ``server=``). Workers may join at
+    any time, before or after other workers' updates, and are served
+    concurrently; see :class:`ParameterServer` for the guarantees. A worker that
+    dies is reported with :class:`AGNWorkerLostWarning`.
+
+    Args:
+        params: the initial center parameters (copied).
+        optimizer_fn: builds the server's optimizer over the center copies.
+        num_worker: how many workers must finish (or die) before this returns.
+        name: the server's name, this process's RPC name.
+        checkpoint_path, checkpoint_every: save the server state every
+            ``checkpoint_every`` updates (0: never).
+        restore_from: a checkpoint to continue from.
+        liveness_interval: seconds between probes of the running workers.
+        transport: the server side of a transport (default: RPC,
+            :class:`~torchgrad_compat.agn.transport.RpcServerHost`).
+
+    Raises:
+        ValueError: ``num_worker < 1``, an empty ``params``, or ``name`` is not
+            this process's RPC name.
+    """
+    from .transport import RpcServerHost
+
+    if not (isinstance(liveness_interval, (int, float)) and liveness_interval > 0):
+        raise ValueError(f"liveness_interval must be a number > 0, got {liveness_interval!r}")
+    server = ParameterServer(
+        params,
+        optimizer_fn,
+        num_worker,
+        name=name,
+        checkpoint_path=checkpoint_path,
+        checkpoint_every=checkpoint_every,
+        restore_from=restore_from,
+    )
+    host = RpcServerHost() if transport is None else transport
+    host.start(server)
+    try:
+        return serve(server, host.is_alive, liveness_interval)
+    finally:
+        host.stop(server)

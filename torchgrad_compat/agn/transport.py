@@ -1,0 +1,306 @@
+"""How AGN workers reach their parameter server: an abstract transport, an in-process one, and RPC.
+
+The AGN math lives in ``optimizer.py`` (worker) and ``server.py`` (server); a
+transport only carries four requests, ``join``, ``push``, ``finish`` and ``snapshot``, with
+their arguments (ints, names, tensors) and answers, and tells the server which
+workers are still alive. A new transport implements :class:`ServerEndpoint`
+(worker side) and :class:`ServerHost` (server side) and nothing else changes.
+
+:class:`RpcEndpoint` / :class:`RpcServerHost` use ``torch.distributed.rpc``
+(TensorPipe). Trust model: torch RPC has no authentication or encryption and a
+peer can make this process run any importable function (PyTorch's SECURITY.md:
+"for internal communication only … not built for use in untrusted
+environments or networks"). Use it on a trusted network only. The server's own
+entry point dispatches to the four requests above and nothing else, which
+limits what AGN itself exposes but is no security boundary.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import os
+import threading
+import time
+from abc import ABC, abstractmethod
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.distributed.rpc as rpc
+
+from .server import AGNError, AGNServerNotReadyError, AGNServerUnavailableError
+
+if TYPE_CHECKING:
+    from .server import ParameterServer
+
+__all__ = [
+    "LocalEndpoint",
+    "LocalServerHost",
+    "RpcEndpoint",
+    "RpcServerHost",
+    "ServerEndpoint",
+    "ServerHost",
+    "init_rpc_from_env",
+]
+
+# The only server methods a request may name.
+REQUESTS = ("join", "push", "finish", "snapshot")
+
+
+class ServerEndpoint(ABC):
+    """A worker's connection to one AGN server: ``request(method, *args)`` returns the server's answer.
+
+    Errors the server raises on purpose (``ValueError``, ``TypeError``,
+    :class:`AGNError`) reach the caller as they are; a server that cannot be
+    reached raises :class:`AGNServerUnavailableError` naming it.
+    """
+
+    server: str
+    worker: str
+
+    @abstractmethod
+    def request(self, method: str, *args: Any) -> Any:
+        """Send one request and wait for its answer."""
+
+    def join(self, *args: Any, startup_timeout: float) -> Any:
+        """``request("join", ...)``, retried for up to ``startup_timeout`` s while the server is not ready."""
+        deadline = time.monotonic() + startup_timeout
+        while True:
+            try:
+                return self.request("join", *args)
+            except (AGNServerNotReadyError, AGNServerUnavailableError) as e:
+                if time.monotonic() >= deadline:
+                    raise AGNServerUnavailableError(
+                        f"AGN server {self.server!r} was not serving within "
+                        f"startup_timeout={startup_timeout} s (worker {self.worker!r}); last error: {e}"
+                    ) from e
+                time.sleep(0.05)
+
+
+class ServerHost(ABC):
+    """The server side of a transport: makes a :class:`ParameterServer` reachable and probes workers."""
+
+    @abstractmethod
+    def start(self, server: ParameterServer) -> None:
+        """Start answering requests for ``server``."""
+
+    @abstractmethod
+    def stop(self, server: ParameterServer) -> None:
+        """Stop answering; later requests raise :class:`AGNServerUnavailableError`."""
+
+    @abstractmethod
+    def is_alive(self, worker: str) -> bool:
+        """Whether ``worker`` still answers (a worker that does not is marked dead)."""
+
+
+def _handle(server: ParameterServer | None, name: str, method: str, worker: str, args: tuple) -> Any:
+    """Run one request on ``server``: the single entry point every transport goes through."""
+    if method not in REQUESTS:
+        raise AGNError(f"AGN server {name!r} serves only {REQUESTS}, not {method!r}")
+    if server is None:
+        raise AGNServerNotReadyError(f"no AGN server {name!r} is serving in this process yet")
+    return getattr(server, method)(worker, *args)
+
+
+# ---------------------------------------------------------------------- in process
+def _copy(value: Any) -> Any:
+    """Clone the tensors in a request or answer, as a wire would: no aliasing between worker and server."""
+    if isinstance(value, torch.Tensor):
+        return value.clone()
+    if isinstance(value, (list, tuple)):
+        return type(value)(_copy(v) for v in value)
+    if isinstance(value, dict):
+        return {k: _copy(v) for k, v in value.items()}
+    return value
+
+
+class LocalServerHost(ServerHost):
+    """A server in this process; workers reach it through :meth:`endpoint` (tests, single-process runs)."""
+
+    def __init__(self) -> None:
+        self._server: ParameterServer | None = None
+        self._stopped = False
+        self.dead: set[str] = set()
+
+    def start(self, server: ParameterServer) -> None:
+        self._server = server
+
+    def stop(self, server: ParameterServer) -> None:
+        self._stopped = True
+
+    def is_alive(self, worker: str) -> bool:
+        return worker not in self.dead
+
+    def endpoint(self, worker: str, server: str = "ps") -> LocalEndpoint:
+        return LocalEndpoint(self, worker, server)
+
+    def _request(self, name: str, method: str, worker: str, args: tuple) -> Any:
+        if self._stopped:
+            raise AGNServerUnavailableError(f"AGN server {name!r} has stopped (worker {worker!r})")
+        return _copy(_handle(self._server, name, method, worker, _copy(args)))
+
+
+class LocalEndpoint(ServerEndpoint):
+    def __init__(self, host: LocalServerHost, worker: str, server: str = "ps"):
+        self._host = host
+        self.worker = worker
+        self.server = server
+
+    def request(self, method: str, *args: Any) -> Any:
+        return self._host._request(self.server, method, self.worker, args)
+
+
+# ---------------------------------------------------------------------- torch.distributed.rpc
+_SERVERS: dict[str, ParameterServer] = {}
+_STOPPED: set[str] = set()
+_IN_FLIGHT: dict[str, int] = {}  # requests being handled, per server name
+_SERVERS_LOCK = threading.Lock()
+
+
+# Errors a server raises on purpose travel back as an answer, not as an RPC exception (which
+# torch also logs on the server, a traceback per refused request); only these types are rebuilt.
+_ANSWER_ERRORS = {
+    e.__name__: e
+    for e in (ValueError, TypeError, AGNError, AGNServerNotReadyError, AGNServerUnavailableError)
+}
+
+
+def _rpc_request(name: str, method: str, worker: str, args: tuple) -> tuple[str, Any]:
+    """The function workers call over RPC, run on the server: ``("ok", answer)`` or ``(error type, text)``."""
+    with _SERVERS_LOCK:
+        server = _SERVERS.get(name)
+        stopped = name in _STOPPED
+        _IN_FLIGHT[name] = _IN_FLIGHT.get(name, 0) + 1
+    try:
+        if server is None and stopped:
+            raise AGNServerUnavailableError(f"AGN server {name!r} has stopped serving")
+        return "ok", _handle(server, name, method, worker, args)
+    except tuple(_ANSWER_ERRORS.values()) as e:
+        return type(e).__name__, str(e)
+    finally:
+        with _SERVERS_LOCK:
+            _IN_FLIGHT[name] -= 1
+
+
+def _ping() -> bool:
+    return True
+
+
+class RpcServerHost(ServerHost):
+    """Serve over ``torch.distributed.rpc``; call after ``rpc.init_rpc`` on the process named like the server.
+
+    Args:
+        ping_timeout: seconds a running worker has to answer a liveness probe
+            (default: the RPC agent's timeout).
+        linger: seconds :meth:`stop` waits after the last request was handled,
+            so its answer (the last ``finish()``) leaves before the caller
+            shuts RPC down; TensorPipe drops unsent answers on a non-graceful
+            ``rpc.shutdown``.
+    """
+
+    def __init__(self, ping_timeout: float | None = None, linger: float = 0.5):
+        self._ping_timeout = ping_timeout
+        self._linger = linger
+
+    def start(self, server: ParameterServer) -> None:
+        me = rpc.get_worker_info().name
+        if me != server.name:
+            raise ValueError(
+                f"name must be this process's RPC name {me!r} (workers send to it), got {server.name!r}"
+            )
+        with _SERVERS_LOCK:
+            if server.name in _SERVERS:
+                raise ValueError(f"an AGN server named {server.name!r} is already serving in this process")
+            _SERVERS[server.name] = server
+            _STOPPED.discard(server.name)
+
+    def stop(self, server: ParameterServer) -> None:
+        with _SERVERS_LOCK:
+            _SERVERS.pop(server.name, None)
+            _STOPPED.add(server.name)
+        deadline = time.monotonic() + 10 * self._linger
+        while time.monotonic() < deadline:
+            with _SERVERS_LOCK:
+                if not _IN_FLIGHT.get(server.name):
+                    break
+            time.sleep(0.01)
+        time.sleep(self._linger)
+
+    def is_alive(self, worker: str) -> bool:
+        timeout = rpc.api.UNSET_RPC_TIMEOUT if self._ping_timeout is None else self._ping_timeout
+        try:
+            return rpc.rpc_sync(worker, _ping, timeout=timeout)
+        except RuntimeError:
+            return False
+
+
+class RpcEndpoint(ServerEndpoint):
+    """Reach the AGN server named ``server`` over ``torch.distributed.rpc``.
+
+    Args:
+        server: the server process's RPC name.
+        worker: this worker's name (default: this process's RPC name).
+        timeout: seconds per request (default: the RPC agent's timeout).
+    """
+
+    def __init__(self, server: str, worker: str | None = None, timeout: float | None = None):
+        if not isinstance(server, str) or not server:
+            raise ValueError(f"server must be the AGN server's RPC name, got {server!r}")
+        if not rpc.api._is_current_rpc_agent_set():
+            raise RuntimeError(
+                "AGN over RPC needs torch.distributed.rpc.init_rpc (or init_rpc_from_env) first"
+            )
+        self.server = server
+        self.worker = rpc.get_worker_info().name if worker is None else worker
+        self._timeout = rpc.api.UNSET_RPC_TIMEOUT if timeout is None else timeout
+        try:
+            rpc.get_worker_info(server)
+        except RuntimeError as e:
+            raise ValueError(f"server {server!r} is not a member of this RPC group: {e}") from e
+
+    def request(self, method: str, *args: Any) -> Any:
+        try:
+            kind, answer = rpc.rpc_sync(
+                self.server,
+                _rpc_request,
+                args=(self.server, method, self.worker, args),
+                timeout=self._timeout,
+            )
+        except RuntimeError as e:
+            # TensorPipe reports a dead peer with texts like "eof (this error originated at ...)".
+            raise AGNServerUnavailableError(
+                f"AGN server {self.server!r} did not answer {method!r} from worker {self.worker!r} "
+                f"(dead, stopped or slower than the RPC timeout): {e}"
+            ) from e
+        if kind != "ok":
+            raise _ANSWER_ERRORS[kind](answer)
+        return answer
+
+
+def _is_loopback(addr: str) -> bool:
+    if addr == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(addr).is_loopback
+    except ValueError:  # a host name
+        return False
+
+
+def init_rpc_from_env(*, server_rank: int = 0, server_name: str = "ps", rpc_timeout: float = 60.0) -> str:
+    """Initialise RPC from torchrun's environment; this process's name (``server_name`` or ``worker<rank>``).
+
+    Reads ``RANK``, ``WORLD_SIZE`` and the rendezvous (``env://``: ``MASTER_ADDR``,
+    ``MASTER_PORT``, or torchrun's own store). When ``MASTER_ADDR`` is a loopback
+    address, TensorPipe is told to listen on the loopback interface only
+    (``TP_SOCKET_IFNAME=lo``, unless already set); otherwise it listens on the
+    host's address, reachable by anyone on the network (see the trust model in
+    this module's docstring).
+    """
+    rank = int(os.environ["RANK"])
+    world_size = int(os.environ["WORLD_SIZE"])
+    addr = os.environ.get("MASTER_ADDR", "127.0.0.1")
+    if _is_loopback(addr):
+        os.environ.setdefault("TP_SOCKET_IFNAME", "lo")
+    name = server_name if rank == server_rank else f"worker{rank}"
+    options = rpc.TensorPipeRpcBackendOptions(init_method="env://", rpc_timeout=rpc_timeout)
+    rpc.init_rpc(name, rank=rank, world_size=world_size, rpc_backend_options=options)
+    return name
