@@ -13,10 +13,8 @@ from __future__ import annotations
 import math
 import multiprocessing
 import os
-import queue
 import re
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -27,6 +25,7 @@ from typing import Any
 import _agn_workers as workers
 import pytest
 import torch
+from _procs import free_port, run_ranks
 
 import torchgrad_compat.optim as tgo
 from torchgrad_compat.agn import (
@@ -340,47 +339,18 @@ def test_checkpoint_is_weights_only_and_a_restored_server_continues_bitwise(tmp_
 GROUP_DEADLINE_S = 40
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _run_group(world: int, scenario: str, **options: Any) -> dict[int, tuple[str | None, Any]]:
     """Start ``world`` processes ; ``{rank: (traceback or None, result)}`` of those that reported."""
     ctx = multiprocessing.get_context("spawn")
-    results = ctx.Queue()
     barrier = ctx.Barrier(world)
-    port = _free_port()
-    procs = [
-        ctx.Process(
-            target=workers.run_process,
-            args=(rank, world, port, scenario, options, results, barrier),
-            daemon=True,
-        )
-        for rank in range(world)
-    ]
-    for p in procs:
-        p.start()
-    outcomes: dict[int, tuple[str | None, Any]] = {}
-    deadline = time.monotonic() + GROUP_DEADLINE_S
-    try:
-        while len(outcomes) < world and time.monotonic() < deadline:
-            try:
-                rank, error, result = results.get(timeout=0.5)
-            except queue.Empty:
-                if not any(p.is_alive() for p in procs):
-                    break
-                continue
-            outcomes[rank] = (error, result)
-        for p in procs:
-            p.join(timeout=max(1.0, deadline - time.monotonic()))
-    finally:
-        for p in procs:
-            if p.is_alive():
-                p.kill()
-                p.join()
-    return outcomes
+    messages = run_ranks(
+        workers.run_process,
+        world,
+        lambda rank, port, results: (rank, world, port, scenario, options, results, barrier),
+        expected=world,
+        deadline_s=GROUP_DEADLINE_S,
+    )
+    return {rank: (error, result) for rank, error, result in messages}
 
 
 def _ok(outcomes: dict[int, tuple[str | None, Any]], ranks: list[int]) -> list[Any]:
@@ -483,7 +453,7 @@ def test_train_agn_script_under_torchrun(tmp_path):
         "--master-addr",
         "127.0.0.1",
         "--master-port",
-        str(_free_port()),
+        str(free_port()),
         str(script),
         "--steps",
         "60",

@@ -21,7 +21,6 @@ from __future__ import annotations
 import math
 import multiprocessing
 import os
-import socket
 import time
 import traceback
 from collections.abc import Callable
@@ -32,6 +31,7 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as dist
+from _procs import free_port
 from torch import Tensor, nn
 from torch.nn import functional as F
 
@@ -212,17 +212,11 @@ def run_rank(rank: int, port: int, out_dir: str) -> None:
 
 
 # ---------------------------------------------------------------------- test side
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def ranks(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
     out_dir = tmp_path_factory.mktemp("amp_distributed")
     ctx = multiprocessing.get_context("spawn")
-    port = _free_port()
+    port = free_port()
     procs = [
         ctx.Process(target=run_rank, args=(rank, port, str(out_dir)), daemon=True) for rank in range(WORLD)
     ]

@@ -10,16 +10,13 @@ test runs when torch_xla is importable.
 from __future__ import annotations
 
 import importlib.util
-import multiprocessing
 import pickle
-import queue
-import socket
-import time
 import warnings
 
 import _cross_shard_workers as workers
 import pytest
 import torch
+from _procs import run_ranks
 from torch import nn
 
 import torchgrad_compat.optim as tgo
@@ -47,43 +44,18 @@ FOUR_RANK_CHECKS = [
 DEADLINE_S = 120
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _run_ranks(world: int, checks: list[str]) -> dict[str, dict[int, str | None]]:
     """Start ``world`` processes, run ``checks`` in each; ``{check: {rank: traceback or None}}``."""
-    ctx = multiprocessing.get_context("spawn")
-    results = ctx.Queue()
-    port = _free_port()
-    procs = [
-        ctx.Process(target=workers.run_checks, args=(rank, world, port, checks, results), daemon=True)
-        for rank in range(world)
-    ]
-    for p in procs:
-        p.start()
+    messages = run_ranks(
+        workers.run_checks,
+        world,
+        lambda rank, port, results: (rank, world, port, checks, results),
+        expected=world * len(checks),
+        deadline_s=DEADLINE_S,
+    )
     verdicts: dict[str, dict[int, str | None]] = {name: {} for name in checks}
-    received = 0
-    deadline = time.monotonic() + DEADLINE_S
-    try:
-        while received < world * len(checks) and time.monotonic() < deadline:
-            try:
-                name, rank, error = results.get(timeout=1.0)
-            except queue.Empty:
-                if not any(p.is_alive() for p in procs):
-                    break
-                continue
-            verdicts[name][rank] = error
-            received += 1
-        for p in procs:
-            p.join(timeout=max(1.0, deadline - time.monotonic()))
-    finally:
-        for p in procs:
-            if p.is_alive():
-                p.kill()
-                p.join()
+    for name, rank, error in messages:
+        verdicts[name][rank] = error
     return verdicts
 
 

@@ -1,0 +1,60 @@
+"""Real processes for the distributed tests: a free port on 127.0.0.1, and ranks run under a deadline.
+
+Every rank is a spawned process that reports on a queue; whatever is still
+alive when the group is done, or when the deadline passes, is killed, so a
+hung collective fails its test instead of stalling the run.
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import queue
+import socket
+import time
+from collections.abc import Callable
+from typing import Any
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that was free a moment ago."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run_ranks(
+    target: Callable[..., None],
+    world: int,
+    args: Callable[[int, int, Any], tuple],
+    *,
+    expected: int,
+    deadline_s: float,
+) -> list[Any]:
+    """Run ``target(*args(rank, port, results))`` in ``world`` processes; what they put on ``results``.
+
+    Returns once ``expected`` messages have arrived, every process has exited,
+    or ``deadline_s`` has passed (then with what arrived so far).
+    """
+    ctx = multiprocessing.get_context("spawn")
+    results = ctx.Queue()
+    port = free_port()
+    procs = [ctx.Process(target=target, args=args(rank, port, results), daemon=True) for rank in range(world)]
+    for p in procs:
+        p.start()
+    messages: list[Any] = []
+    deadline = time.monotonic() + deadline_s
+    try:
+        while len(messages) < expected and time.monotonic() < deadline:
+            try:
+                messages.append(results.get(timeout=0.5))
+            except queue.Empty:
+                if not any(p.is_alive() for p in procs):
+                    break
+        for p in procs:
+            p.join(timeout=max(1.0, deadline - time.monotonic()))
+    finally:
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+                p.join()
+    return messages
