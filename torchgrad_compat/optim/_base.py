@@ -37,7 +37,7 @@ __all__ = ["Flag", "Hyper", "HyperScalars", "Optimizer", "check_range", "compute
 _VALID_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 _HALF_DTYPES = (torch.float16, torch.bfloat16)
 # CPU foreach updates run over chunks of at most this many parameter bytes (see _chunks).
-_CPU_CHUNK_BYTES = 2 * 1024 * 1024
+_CPU_CHUNK_BYTES = 512 * 1024
 # Chunk layouts whose scratch views an optimizer keeps (see Optimizer._scratch).
 _SCRATCH_SETS = 256
 
@@ -586,8 +586,12 @@ def _chunks(bucket: list[tuple[Tensor, Tensor]]) -> Iterator[list[tuple[Tensor, 
     A foreach op streams its whole list through memory before the next op
     starts; over a chunk that fits in cache the dozen ops of an update reuse
     the data while it is hot (measured, Adam on 10M float32 parameters in 1000
-    tensors, one thread: 88 ms unchunked, 52 ms in 1-4 MiB chunks). Other
-    devices get the whole bucket: one kernel launch per op is what they want.
+    tensors, one thread: 88 ms unchunked, 52 ms in 1-4 MiB chunks). A chunk's
+    parameters, gradients, slots and scratch together should fit in L2: on a
+    2 MiB-L2 Xeon, 512 KiB chunks beat 2 MiB ones by 10-25% (Adam 5.80 -> 4.74
+    ms, RMSProp 4.83 -> 3.89 ms, 1M parameters in 100 tensors) and 128 KiB
+    ones lose again to the per-chunk overhead. Other devices get the whole
+    bucket: one kernel launch per op is what they want.
     """
     if bucket[0][1].device.type != "cpu":
         yield bucket
