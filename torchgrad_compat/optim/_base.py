@@ -20,6 +20,7 @@ update rule, reached through four hooks:
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager
@@ -32,7 +33,7 @@ from torch.optim.optimizer import _default_to_fused_or_foreach
 
 from ..gradients import check_aggregation_method, gradients
 
-__all__ = ["Flag", "Hyper", "HyperScalars", "Optimizer", "check_range", "compute_gradients"]
+__all__ = ["Flag", "Hyper", "HyperScalars", "Optimizer", "check_range", "compute_gradients", "pick_impl"]
 
 _VALID_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 _HALF_DTYPES = (torch.float16, torch.bfloat16)
@@ -565,6 +566,28 @@ class Optimizer(torch.optim.Optimizer):
                 with _working_precision([p], [grad_values], [self.state[p]]) as (ps, gs, ss):
                     self._apply_sparse(group, ps[0], indices, gs[0], ss[0], non_slot, hyper)
             self._finish(group, non_slot, values)
+
+
+def pick_impl(
+    single: Callable[..., None],
+    multi: Callable[..., None],
+    *,
+    foreach: bool,
+    params: list[Tensor],
+    scratch: list[list[Tensor]] | None,
+    count: int,
+) -> Callable[..., None]:
+    """An optimizer's functional dispatch: its reference loop, or its foreach path bound to scratch.
+
+    ``scratch`` holds ``count`` lists of tensors shaped like ``params`` for the
+    foreach path's temporaries (:meth:`Optimizer._scratch` keeps them between
+    steps); None makes fresh ones.
+    """
+    if not foreach:
+        return single
+    if scratch is None:
+        scratch = [[torch.empty_like(p) for p in params] for _ in range(count)]
+    return functools.partial(multi, scratch=scratch)
 
 
 def _views_of(flat: Tensor, like: list[Tensor]) -> list[Tensor]:

@@ -8,7 +8,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from ._base import Hyper, HyperScalars, Optimizer
+from ._base import Hyper, HyperScalars, Optimizer, pick_impl
 
 __all__ = ["AdadeltaOptimizer", "adadelta"]
 
@@ -128,31 +128,15 @@ def adadelta(
     ``scratch``: two lists of tensors shaped like ``params`` for the foreach
     path's temporaries (allocated here when None).
     """
-    if not foreach:
-        _single_tensor_adadelta(
-            params,
-            grads,
-            accums,
-            accum_updates,
-            lr=lr,
-            rho=rho,
-            one_minus_rho=one_minus_rho,
-            epsilon=epsilon,
-        )
-        return
-    if scratch is None:
-        scratch = [[torch.empty_like(p) for p in params] for _ in range(2)]
-    _multi_tensor_adadelta(
-        params,
-        grads,
-        accums,
-        accum_updates,
-        lr=lr,
-        rho=rho,
-        one_minus_rho=one_minus_rho,
-        epsilon=epsilon,
+    impl = pick_impl(
+        _single_tensor_adadelta,
+        _multi_tensor_adadelta,
+        foreach=foreach,
+        params=params,
         scratch=scratch,
+        count=2,
     )
+    impl(params, grads, accums, accum_updates, lr=lr, rho=rho, one_minus_rho=one_minus_rho, epsilon=epsilon)
 
 
 def _single_tensor_adadelta(

@@ -8,7 +8,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from ._base import Hyper, Optimizer
+from ._base import Hyper, Optimizer, pick_impl
 
 __all__ = ["AdagradOptimizer", "adagrad"]
 
@@ -127,12 +127,15 @@ def adagrad(
     ``scratch``: two lists of tensors shaped like ``params`` for the foreach
     path's temporaries (allocated here when None).
     """
-    if not foreach:
-        _single_tensor_adagrad(params, grads, accums, lr=lr)
-        return
-    if scratch is None:
-        scratch = [[torch.empty_like(p) for p in params] for _ in range(2)]
-    _multi_tensor_adagrad(params, grads, accums, lr=lr, scratch=scratch)
+    impl = pick_impl(
+        _single_tensor_adagrad,
+        _multi_tensor_adagrad,
+        foreach=foreach,
+        params=params,
+        scratch=scratch,
+        count=2,
+    )
+    impl(params, grads, accums, lr=lr)
 
 
 def _single_tensor_adagrad(params, grads, accums, *, lr):

@@ -8,7 +8,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from ._base import Hyper, Optimizer, _check_global_step
+from ._base import Hyper, Optimizer, _check_global_step, pick_impl
 from .adagrad import constant_slot
 
 __all__ = ["AdagradDAOptimizer", "adagrad_da"]
@@ -204,13 +204,15 @@ def adagrad_da(
     denominator. ``scratch``: one list of tensors shaped like ``params`` for
     the foreach path's temporary (allocated here when None).
     """
-    scalars = {"neg_lr": neg_lr, "t_l1": t_l1, "l2_t_lr": l2_t_lr}
-    if not foreach:
-        _single_tensor_adagrad_da(params, grads, grad_accums, squared_accums, **scalars)
-        return
-    if scratch is None:
-        scratch = [[torch.empty_like(p) for p in params]]
-    _multi_tensor_adagrad_da(params, grads, grad_accums, squared_accums, **scalars, scratch=scratch)
+    impl = pick_impl(
+        _single_tensor_adagrad_da,
+        _multi_tensor_adagrad_da,
+        foreach=foreach,
+        params=params,
+        scratch=scratch,
+        count=1,
+    )
+    impl(params, grads, grad_accums, squared_accums, neg_lr=neg_lr, t_l1=t_l1, l2_t_lr=l2_t_lr)
 
 
 def _single_tensor_adagrad_da(params, grads, grad_accums, squared_accums, *, neg_lr, t_l1, l2_t_lr):

@@ -8,7 +8,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from ._base import Hyper, HyperScalars, Optimizer
+from ._base import Hyper, HyperScalars, Optimizer, pick_impl
 
 __all__ = ["AdamOptimizer", "adam"]
 
@@ -162,21 +162,10 @@ def adam(
     ``scratch``: two lists of tensors shaped like ``params`` for the foreach
     path's temporaries (allocated here when None).
     """
-    if not foreach:
-        _single_tensor_adam(
-            params,
-            grads,
-            ms,
-            vs,
-            alpha=alpha,
-            one_minus_beta1=one_minus_beta1,
-            one_minus_beta2=one_minus_beta2,
-            epsilon=epsilon,
-        )
-        return
-    if scratch is None:
-        scratch = [[torch.empty_like(p) for p in params] for _ in range(2)]
-    _multi_tensor_adam(
+    impl = pick_impl(
+        _single_tensor_adam, _multi_tensor_adam, foreach=foreach, params=params, scratch=scratch, count=2
+    )
+    impl(
         params,
         grads,
         ms,
@@ -185,7 +174,6 @@ def adam(
         one_minus_beta1=one_minus_beta1,
         one_minus_beta2=one_minus_beta2,
         epsilon=epsilon,
-        scratch=scratch,
     )
 
 

@@ -9,7 +9,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from ._base import Hyper, HyperScalars, Optimizer
+from ._base import Hyper, HyperScalars, Optimizer, pick_impl
 
 __all__ = ["FtrlOptimizer", "ftrl"]
 
@@ -233,19 +233,20 @@ def ftrl(
     lists of tensors shaped like ``params`` for the foreach path's temporaries
     (allocated here when None).
     """
-    scalars = {
-        "lr": lr,
-        "l1": l1,
-        "two_l2": two_l2,
-        "two_l2_shrinkage": two_l2_shrinkage,
-        "neg_lr_power": neg_lr_power,
-    }
-    if not foreach:
-        _single_tensor_ftrl(params, grads, accums, linears, **scalars)
-        return
-    if scratch is None:
-        scratch = [[torch.empty_like(p) for p in params] for _ in range(3)]
-    _multi_tensor_ftrl(params, grads, accums, linears, **scalars, scratch=scratch)
+    impl = pick_impl(
+        _single_tensor_ftrl, _multi_tensor_ftrl, foreach=foreach, params=params, scratch=scratch, count=3
+    )
+    impl(
+        params,
+        grads,
+        accums,
+        linears,
+        lr=lr,
+        l1=l1,
+        two_l2=two_l2,
+        two_l2_shrinkage=two_l2_shrinkage,
+        neg_lr_power=neg_lr_power,
+    )
 
 
 def _single_tensor_ftrl(

@@ -8,7 +8,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from ._base import Hyper, Optimizer
+from ._base import Hyper, Optimizer, pick_impl
 
 __all__ = ["GradientDescentOptimizer", "gradient_descent"]
 
@@ -88,12 +88,15 @@ def gradient_descent(
     ``scratch``: one list of tensors shaped like ``params`` for the foreach
     path's temporary (allocated here when None).
     """
-    if not foreach:
-        _single_tensor_gradient_descent(params, grads, lr=lr)
-        return
-    if scratch is None:
-        scratch = [[torch.empty_like(p) for p in params]]
-    _multi_tensor_gradient_descent(params, grads, lr=lr, scratch=scratch)
+    impl = pick_impl(
+        _single_tensor_gradient_descent,
+        _multi_tensor_gradient_descent,
+        foreach=foreach,
+        params=params,
+        scratch=scratch,
+        count=1,
+    )
+    impl(params, grads, lr=lr)
 
 
 def _single_tensor_gradient_descent(params: list[Tensor], grads: list[Tensor], *, lr: Tensor) -> None:

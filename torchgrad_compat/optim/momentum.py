@@ -8,7 +8,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from ._base import Flag, Hyper, Optimizer
+from ._base import Flag, Hyper, Optimizer, pick_impl
 
 __all__ = ["MomentumOptimizer", "momentum"]
 
@@ -131,14 +131,15 @@ def momentum(
     ``scratch``: lists of tensors shaped like ``params`` for the foreach path's
     temporaries, one (two with ``use_nesterov``); allocated here when None.
     """
-    if not foreach:
-        _single_tensor_momentum(params, grads, accums, lr=lr, momentum=momentum, use_nesterov=use_nesterov)
-        return
-    if scratch is None:
-        scratch = [[torch.empty_like(p) for p in params] for _ in range(2 if use_nesterov else 1)]
-    _multi_tensor_momentum(
-        params, grads, accums, lr=lr, momentum=momentum, use_nesterov=use_nesterov, scratch=scratch
+    impl = pick_impl(
+        _single_tensor_momentum,
+        _multi_tensor_momentum,
+        foreach=foreach,
+        params=params,
+        scratch=scratch,
+        count=2 if use_nesterov else 1,
     )
+    impl(params, grads, accums, lr=lr, momentum=momentum, use_nesterov=use_nesterov)
 
 
 def _single_tensor_momentum(params, grads, accums, *, lr, momentum, use_nesterov):

@@ -8,7 +8,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from ._base import Hyper, HyperScalars, Optimizer
+from ._base import Hyper, HyperScalars, Optimizer, pick_impl
 from .adagrad import constant_slot
 
 __all__ = ["ProximalAdagradOptimizer", "proximal_adagrad"]
@@ -154,12 +154,15 @@ def proximal_adagrad(
     foreach path's temporaries, two (three when ``l1`` is given); allocated
     here when None.
     """
-    if not foreach:
-        _single_tensor_proximal_adagrad(params, grads, accums, lr=lr, l1=l1, l2=l2)
-        return
-    if scratch is None:
-        scratch = [[torch.empty_like(p) for p in params] for _ in range(2 if l1 is None else 3)]
-    _multi_tensor_proximal_adagrad(params, grads, accums, lr=lr, l1=l1, l2=l2, scratch=scratch)
+    impl = pick_impl(
+        _single_tensor_proximal_adagrad,
+        _multi_tensor_proximal_adagrad,
+        foreach=foreach,
+        params=params,
+        scratch=scratch,
+        count=2 if l1 is None else 3,
+    )
+    impl(params, grads, accums, lr=lr, l1=l1, l2=l2)
 
 
 def _single_tensor_proximal_adagrad(params, grads, accums, *, lr, l1, l2):

@@ -8,7 +8,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from ._base import Hyper, HyperScalars, Optimizer
+from ._base import Hyper, HyperScalars, Optimizer, pick_impl
 
 __all__ = ["ProximalGradientDescentOptimizer", "proximal_gradient_descent"]
 
@@ -142,12 +142,15 @@ def proximal_gradient_descent(
     leaves out the division (λ₂ = 0). ``scratch``: one list of tensors shaped
     like ``params`` for the foreach path's temporary (allocated here when None).
     """
-    if not foreach:
-        _single_tensor_proximal_gradient_descent(params, grads, lr=lr, lr_l1=lr_l1, denom=denom)
-        return
-    if scratch is None:
-        scratch = [[torch.empty_like(p) for p in params]]
-    _multi_tensor_proximal_gradient_descent(params, grads, lr=lr, lr_l1=lr_l1, denom=denom, scratch=scratch)
+    impl = pick_impl(
+        _single_tensor_proximal_gradient_descent,
+        _multi_tensor_proximal_gradient_descent,
+        foreach=foreach,
+        params=params,
+        scratch=scratch,
+        count=1,
+    )
+    impl(params, grads, lr=lr, lr_l1=lr_l1, denom=denom)
 
 
 def _single_tensor_proximal_gradient_descent(params, grads, *, lr, lr_l1, denom):

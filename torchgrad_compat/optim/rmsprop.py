@@ -8,7 +8,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from ._base import Flag, Hyper, HyperScalars, Optimizer
+from ._base import Flag, Hyper, HyperScalars, Optimizer, pick_impl
 
 __all__ = ["RMSPropOptimizer", "rmsprop"]
 
@@ -175,23 +175,15 @@ def rmsprop(
     ``scratch``: two lists of tensors shaped like ``params`` for the foreach
     path's temporaries (allocated here when None).
     """
-    if not foreach:
-        _single_tensor_rmsprop(
-            params,
-            grads,
-            mss,
-            moms,
-            mgs,
-            lr=lr,
-            one_minus_decay=one_minus_decay,
-            momentum=momentum,
-            epsilon=epsilon,
-            centered=centered,
-        )
-        return
-    if scratch is None:
-        scratch = [[torch.empty_like(p) for p in params] for _ in range(2)]
-    _multi_tensor_rmsprop(
+    impl = pick_impl(
+        _single_tensor_rmsprop,
+        _multi_tensor_rmsprop,
+        foreach=foreach,
+        params=params,
+        scratch=scratch,
+        count=2,
+    )
+    impl(
         params,
         grads,
         mss,
@@ -202,7 +194,6 @@ def rmsprop(
         momentum=momentum,
         epsilon=epsilon,
         centered=centered,
-        scratch=scratch,
     )
 
 
