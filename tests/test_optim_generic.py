@@ -16,6 +16,7 @@ import torch
 from optim_specs import SPECS, OptimSpec, spec_configs
 
 import torchgrad_compat.optim as tgo
+from torchgrad_compat.optim._base import _CPU_CHUNK_BYTES
 
 DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16)
 
@@ -92,9 +93,11 @@ def test_foreach_matches_reference(spec: OptimSpec, cid: str, dtype):
 
 @pytest.mark.parametrize(("spec", "cid"), SPEC_CONFIGS, ids=SPEC_IDS)
 def test_foreach_matches_reference_across_cpu_chunks(spec: OptimSpec, cid: str):
-    # On CPU a foreach bucket is updated in chunks of at most 2 MiB with reused scratch
-    # buffers; parameters without a gradient change the chunk layout from step to step.
-    shapes = [(600_000,), (3, 4), (700_000,), (5,)]
+    # On CPU a foreach bucket is updated in chunks of at most _CPU_CHUNK_BYTES with reused
+    # scratch buffers: two big tensors never share a chunk, small ones join a big one, and
+    # parameters without a gradient change the chunk layout from step to step.
+    big = int(0.6 * _CPU_CHUNK_BYTES) // 4
+    shapes = [(big,), (3, 4), (big + 1000,), (5,)]
     runs = []
     for foreach in (False, True):
         gen = torch.Generator().manual_seed(3)
