@@ -21,7 +21,12 @@ from torch import nn
 
 import torchgrad_compat.optim as tgo
 from torchgrad_compat.xla import CrossShardOptimizer
-from torchgrad_compat.xla._backend import FIRST_BUCKET_BYTES, _plan, check_group_assignment
+from torchgrad_compat.xla._backend import (
+    DEFAULT_BUCKET_BYTES,
+    FIRST_BUCKET_BYTES,
+    _plan,
+    check_group_assignment,
+)
 
 TWO_RANK_CHECKS = [
     "full_batch_equivalence",
@@ -212,7 +217,7 @@ def test_group_assignment_accepted():
     assert check_group_assignment([[3, 0], [2, 1]], 4) == [[3, 0], [2, 1]]
 
 
-def test_buckets_follow_reverse_order_by_dtype_with_a_small_first_bucket():
+def test_buckets_follow_reverse_order_by_dtype_with_a_small_first_bucket_by_default():
     big = FIRST_BUCKET_BYTES // 4  # float32 elements in the first bucket's cap
     params = [
         torch.zeros(big // 2),  # 0
@@ -222,10 +227,12 @@ def test_buckets_follow_reverse_order_by_dtype_with_a_small_first_bucket():
         torch.zeros(3),  # 4
     ]
     # Reverse order: 4, 3 (float32, still under 1 MiB), 2 closes the first float32 bucket; then 1 and 0.
-    assert _plan(params, cap_bytes=25 * 1024 * 1024) == [[4, 3, 2], [1], [0]]
-    assert _plan([torch.zeros(4) for _ in range(200)], cap_bytes=25 * 1024 * 1024) == [
+    assert _plan(params, DEFAULT_BUCKET_BYTES, FIRST_BUCKET_BYTES) == [[4, 3, 2], [1], [0]]
+    assert _plan([torch.zeros(4) for _ in range(200)], DEFAULT_BUCKET_BYTES, FIRST_BUCKET_BYTES) == [
         list(range(199, -1, -1))
     ]
+    # An explicit bucket_cap_mb sizes the first bucket too, as in DDP: 4, 3, 2 and 0 share one.
+    assert _plan(params, DEFAULT_BUCKET_BYTES, DEFAULT_BUCKET_BYTES) == [[4, 3, 2, 0], [1]]
 
 
 @pytest.mark.skipif(importlib.util.find_spec("torch_xla") is None, reason="torch_xla is not installed")
@@ -244,7 +251,7 @@ def test_torch_xla_single_replica(monkeypatch):
     assert torch.equal(w.detach().cpu(), torch.tensor([0.0, 0.0]))
 
     params = [torch.zeros(3, device=device), torch.zeros(2, 2, device=device)]
-    reducer = GradientReducer(params, XlaCollective(), bucket_cap_bytes=1024)
+    reducer = GradientReducer(params, XlaCollective(), bucket_cap_bytes=1024, first_bucket_cap_bytes=1024)
     grads = [torch.arange(3.0, device=device), None]
     sums = reducer.reduce(grads, average=True)
     assert torch.equal(sums[0].cpu(), torch.arange(3.0)) and sums[1] is None

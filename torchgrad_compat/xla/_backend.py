@@ -26,7 +26,7 @@ import json
 import weakref
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import torch
@@ -43,11 +43,13 @@ __all__ = [
     "find_collective",
 ]
 
-# As DDP: a small first bucket, so that the first all-reduce starts early in backward.
+# DDP's default bucket sizes: a small first bucket, so that the first all-reduce starts early in
+# backward, then 25 MiB. DDP uses them only when bucket_cap_mb is not given, and so does
+# CrossShardOptimizer: an explicit size applies to every bucket.
 FIRST_BUCKET_BYTES = 1024 * 1024
+DEFAULT_BUCKET_BYTES = 25 * 1024 * 1024
 # Presence counters per parameter at the end of a bucket: (dense gradients, sparse gradients).
 _COUNTERS = 2
-_SPARSE = 1
 
 
 class Work(Protocol):
@@ -287,33 +289,35 @@ class _Bucket:
     """Parameters of one device and dtype whose gradients travel in one flat buffer.
 
     ``buffer`` holds the gradients (``grads``), then, when the counters are
-    read, two presence counters per parameter (``counters``). ``views[j]`` is
-    parameter ``indices[j]``'s gradient inside the buffer, shaped like it.
-    ``local_counts[j]`` is this rank's contribution to the counters, ``filled[j]``
-    whether the gradient has been copied in for the current reduction,
-    ``hooked`` the number of parameters with a gradient hook and ``pending`` how
-    many of those the current backward pass has not produced yet.
+    read, two presence counters per parameter (``counters``). ``params[j]`` is
+    parameter ``indices[j]`` and ``views[j]`` its gradient inside the buffer,
+    shaped like it.
+    ``local_counts[j]`` is this rank's contribution to the counters and
+    ``local_sparse`` its sparse gradients by parameter index, as of the last
+    fill. ``hooked`` is the number of parameters with a gradient hook and
+    ``pending`` how many of those the current backward pass has not produced yet.
     """
 
     indices: list[int]
+    params: list[Tensor]
     buffer: Tensor
     grads: Tensor
     views: list[Tensor]
     counters: Tensor | None
-    local_counts: list[list[int]]
-    filled: list[bool]
     hooked: int
+    local_counts: list[tuple[int, int]] = field(default_factory=list)
+    local_sparse: dict[int, Tensor] = field(default_factory=dict)
     pending: int = 0
     work: Work | None = None
 
 
-def _plan(params: Sequence[Tensor], cap_bytes: int) -> list[list[int]]:
+def _plan(params: Sequence[Tensor], cap_bytes: int, first_cap_bytes: int) -> list[list[int]]:
     """Parameter indices per bucket, in launch order.
 
     Parameters are taken in reverse registration order, roughly the order in
     which backward produces their gradients (as DDP), and grouped by (device,
-    dtype); a bucket closes when it reaches its size cap: 1 MiB for the first
-    bucket of each (device, dtype), ``cap_bytes`` after.
+    dtype); a bucket closes when it reaches its size cap: ``first_cap_bytes``
+    for the first bucket of each (device, dtype), ``cap_bytes`` after.
     """
     closed: list[list[int]] = []
     open_: dict[tuple[torch.device, torch.dtype], list[int]] = {}
@@ -324,7 +328,7 @@ def _plan(params: Sequence[Tensor], cap_bytes: int) -> list[list[int]]:
         key = (p.device, p.dtype)
         open_.setdefault(key, []).append(i)
         size[key] = size.get(key, 0) + p.numel() * p.element_size()
-        if size[key] >= (cap_bytes if key in seen else min(cap_bytes, FIRST_BUCKET_BYTES)):
+        if size[key] >= (cap_bytes if key in seen else first_cap_bytes):
             closed.append(open_.pop(key))
             size[key] = 0
             seen.add(key)
@@ -351,12 +355,14 @@ class GradientReducer:
 
     :meth:`reduce` sums a list of gradients (one per parameter, ``None`` allowed)
     and returns the sums. With :meth:`attach_hooks`, every ``backward()`` reduces
-    ``p.grad`` itself: a post-accumulate-grad hook copies each gradient into its
-    bucket as autograd produces it, a full bucket starts its asynchronous
-    all-reduce while backward goes on (buckets start strictly in order, so every
-    rank issues the same collectives in the same order), and at the end of
-    backward the remaining buckets start, every bucket is waited for and the
-    sums are written back to ``p.grad``.
+    ``p.grad`` itself: a post-accumulate-grad hook counts each gradient as
+    autograd produces it, and once a bucket has all of its gradients they are
+    copied in and its asynchronous all-reduce starts while backward goes on
+    (buckets start strictly in order, so every rank issues the same collectives
+    in the same order); at the end of backward the remaining buckets start,
+    every bucket is waited for and the sums are written back to ``p.grad``. The
+    hooks only count, so that the Python work per gradient inside backward
+    stays small; a bucket's copy is one call.
 
     Presence: a parameter without a gradient on a rank contributes zeros there;
     its sum is None only when no rank in the group has a gradient for it.
@@ -372,13 +378,19 @@ class GradientReducer:
     pass ``average=False``, their loss being scaled already.
     """
 
-    def __init__(self, params: Sequence[Tensor], collective: Collective, bucket_cap_bytes: int):
+    def __init__(
+        self,
+        params: Sequence[Tensor],
+        collective: Collective,
+        bucket_cap_bytes: int,
+        first_bucket_cap_bytes: int,
+    ):
         self._params = list(params)
         self._collective = collective
-        self._buckets = [self._make_bucket(indices) for indices in _plan(self._params, bucket_cap_bytes)]
-        # Parameter index -> (its bucket, its position there).
-        self._where = {i: (bucket, j) for bucket in self._buckets for j, i in enumerate(bucket.indices)}
-        self._local_sparse: dict[int, Tensor] = {}
+        plan = _plan(self._params, bucket_cap_bytes, first_bucket_cap_bytes)
+        self._buckets = [self._make_bucket(indices) for indices in plan]
+        # Parameter index -> its bucket.
+        self._bucket_of = {i: bucket for bucket in self._buckets for i in bucket.indices}
         self._handles: list[Any] = []
         self._average_in_backward = False
         self._in_pass = False
@@ -400,38 +412,44 @@ class GradientReducer:
         counters = buffer[numel:].view(len(params), _COUNTERS) if extra else None
         return _Bucket(
             indices,
+            params,
             buffer,
             grads,
             views,
             counters,
-            local_counts=[[0, 0] for _ in params],
             hooked=sum(p.requires_grad for p in params),
-            filled=[False] * len(params),
         )
 
     # ------------------------------------------------------------------ one reduction
-    def _fill(self, i: int, grad: Tensor | None) -> None:
-        bucket, j = self._where[i]
-        view = bucket.views[j]
-        if grad is not None and grad.is_sparse:
-            view.zero_()
-            self._local_sparse[i] = grad
-            bucket.local_counts[j] = [0, 1]
-        else:
-            self._local_sparse.pop(i, None)
-            if grad is None:
-                view.zero_()
-                bucket.local_counts[j] = [0, 0]
-            else:
-                view.copy_(grad)
-                bucket.local_counts[j] = [1, 0]
-        bucket.filled[j] = True
+    def _launch(self, bucket: _Bucket, grads: list[Tensor | None], average: bool) -> None:
+        """Copy ``grads`` (one per parameter of ``bucket``) into its buffer and start its all-reduce.
 
-    def _launch(self, bucket: _Bucket, average: bool) -> None:
-        if bucket.counters is not None:
-            bucket.counters.copy_(torch.tensor(bucket.local_counts, dtype=bucket.buffer.dtype))
+        The dense gradients go in with one ``_foreach_copy_`` and are divided by
+        one ``div_`` over the bucket, the same arithmetic as per parameter with
+        two calls instead of one or two per parameter.
+        """
+        counts: list[tuple[int, int]] = []
+        sparse: dict[int, Tensor] = {}
+        views, dense = [], []
+        for i, view, grad in zip(bucket.indices, bucket.views, grads, strict=True):
+            if grad is None or grad.is_sparse:
+                view.zero_()
+                if grad is None:
+                    counts.append((0, 0))
+                else:
+                    sparse[i] = grad
+                    counts.append((0, 1))
+            else:
+                views.append(view)
+                dense.append(grad)
+                counts.append((1, 0))
+        if dense:
+            torch._foreach_copy_(views, dense)
         if average and self._collective.group_size > 1:
             bucket.grads.div_(self._collective.group_size)
+        bucket.local_counts, bucket.local_sparse = counts, sparse
+        if bucket.counters is not None:
+            bucket.counters.copy_(torch.tensor(counts, dtype=bucket.buffer.dtype))
         bucket.work = self._collective.all_reduce_sum(bucket.buffer)
 
     def _collect(self, average: bool) -> list[Tensor | None]:
@@ -441,29 +459,31 @@ class GradientReducer:
             assert bucket.work is not None, "every bucket is launched before it is collected"
             works.append(bucket.work)
             bucket.work = None
-            bucket.filled = [False] * len(bucket.indices)
-        counts: dict[int, tuple[float, float]] = {}
+        counts = []
         for bucket, work in zip(self._buckets, works, strict=True):
             work.wait()
             # One small device-to-host read per bucket (none with XLA, see XlaCollective).
-            summed = bucket.counters.tolist() if bucket.counters is not None else bucket.local_counts
-            counts.update(zip(bucket.indices, map(tuple, summed), strict=True))
-        sparse_indices = [i for i in range(len(self._params)) if counts[i][_SPARSE] > 0]
+            counts.append(bucket.counters.tolist() if bucket.counters is not None else bucket.local_counts)
+        sparse_indices = sorted(
+            i
+            for bucket, summed in zip(self._buckets, counts, strict=True)
+            for i, (_, sparse) in zip(bucket.indices, summed, strict=True)
+            if sparse > 0
+        )
         sparse_sums = self._sum_sparse(sparse_indices, average) if sparse_indices else {}
-        self._local_sparse.clear()
-        results: list[Tensor | None] = []
-        for i, (dense, sparse) in sorted(counts.items()):
-            bucket, j = self._where[i]
-            view = bucket.views[j]
-            if sparse > 0:
-                results.append(view + sparse_sums[i].to_dense() if dense > 0 else sparse_sums[i])
-            else:
-                results.append(view if dense > 0 else None)
+        results: list[Tensor | None] = [None] * len(self._params)
+        for bucket, summed in zip(self._buckets, counts, strict=True):
+            for i, view, (dense, sparse) in zip(bucket.indices, bucket.views, summed, strict=True):
+                if sparse > 0:
+                    results[i] = view + sparse_sums[i].to_dense() if dense > 0 else sparse_sums[i]
+                elif dense > 0:
+                    results[i] = view
         return results
 
     def _sum_sparse(self, indices: list[int], average: bool) -> dict[int, Tensor]:
         """All-gather the sparse gradients of ``indices`` in the group; uncoalesced sums."""
-        local = [self._local_sparse.get(i) for i in indices]
+        local_sparse = {i: g for bucket in self._buckets for i, g in bucket.local_sparse.items()}
+        local = [local_sparse.get(i) for i in indices]
         device = self._params[indices[0]].device
         nnz = torch.tensor([0 if g is None else g._nnz() for g in local], dtype=torch.int64, device=device)
         nnz_by_member = [row.tolist() for row in self._collective.all_gather(nnz)]
@@ -494,9 +514,7 @@ class GradientReducer:
         Bucket ``k + 1`` is filled while bucket ``k`` is on the wire.
         """
         for bucket in self._buckets:
-            for i in bucket.indices:
-                self._fill(i, grads[i])
-            self._launch(bucket, average)
+            self._launch(bucket, [grads[i] for i in bucket.indices], average)
         return self._collect(average)
 
     @torch.no_grad()
@@ -532,9 +550,10 @@ class GradientReducer:
             handle.remove()
         self._handles.clear()
 
-    def _current_grad(self, i: int) -> Tensor | None:
+    @staticmethod
+    def _current_grad(param: Tensor) -> Tensor | None:
         # Hooks run with grad mode on under backward(create_graph=True); the buckets stay out of graphs.
-        grad = self._params[i].grad
+        grad = param.grad
         return grad.detach() if grad is not None and grad.requires_grad else grad
 
     def _on_grad_ready(self, i: int) -> None:
@@ -552,24 +571,21 @@ class GradientReducer:
             for bucket in self._buckets:
                 bucket.pending = bucket.hooked
             torch.autograd.Variable._execution_engine.queue_callback(self._finish_pass)
-        self._fill(i, self._current_grad(i))
-        self._where[i][0].pending -= 1
+        self._bucket_of[i].pending -= 1
         while self._next < len(self._buckets) and self._buckets[self._next].pending == 0:
-            self._launch_rest(self._buckets[self._next])
+            self._launch_next()
 
-    def _launch_rest(self, bucket: _Bucket) -> None:
-        """Fill what no hook has filled (unused or frozen parameters: their current ``.grad``); launch."""
-        for j, i in enumerate(bucket.indices):
-            if not bucket.filled[j]:
-                self._fill(i, self._current_grad(i))
-        self._launch(bucket, self._average_in_backward)
+    def _launch_next(self) -> None:
+        """Launch the next bucket with its parameters' current ``.grad`` (hooked or not: unused, frozen)."""
+        bucket = self._buckets[self._next]
+        self._launch(bucket, [self._current_grad(p) for p in bucket.params], self._average_in_backward)
         self._next += 1
 
     @torch.no_grad()
     def _finish_pass(self) -> None:
         try:
             while self._next < len(self._buckets):
-                self._launch_rest(self._buckets[self._next])
+                self._launch_next()
             self._write_grads(self._collect(self._average_in_backward))
         finally:
             self._in_pass = False

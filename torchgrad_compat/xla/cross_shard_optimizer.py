@@ -14,6 +14,8 @@ from torch import Tensor
 from ..optim._base import _check_global_step, _check_grad, _describe, check_range
 from ..optim._wrapper import OptimizerWrapper
 from ._backend import (
+    DEFAULT_BUCKET_BYTES,
+    FIRST_BUCKET_BYTES,
     Collective,
     GradientReducer,
     check_group_assignment,
@@ -57,14 +59,16 @@ class CrossShardOptimizer(OptimizerWrapper):
     start every rank from the same values (same seed, or a broadcast).
 
     Communication. Gradients travel in flat buckets, one per device and dtype,
-    the first of 1 MiB and the next of ``bucket_cap_mb`` (DDP's sizes), taken in
-    reverse registration order, so a model with hundreds of tensors needs a few
-    collectives. With ``torch.distributed`` a post-accumulate-grad hook copies
-    each gradient into its bucket as backward produces it and a full bucket
-    starts its asynchronous all-reduce while backward goes on; buckets start in
-    a fixed order, so every rank issues the same collectives, and the end of
-    backward waits for them (as DDP's does). With ``torch_xla``
-    the all-reduces go into the traced step and XLA schedules them.
+    taken in reverse registration order, so a model with hundreds of tensors
+    needs a few collectives. The sizes are DDP's: by default the first bucket
+    holds 1 MiB, so that its all-reduce starts early in backward, and the next
+    25 MiB; an explicit ``bucket_cap_mb`` sizes every bucket, the first
+    included. With ``torch.distributed`` a post-accumulate-grad hook notes each
+    gradient as backward produces it, and once all of a bucket's are there the
+    bucket is filled and starts its asynchronous all-reduce while backward goes
+    on; buckets start in a fixed order, so every rank issues the same
+    collectives, and the end of backward waits for them (as DDP's does). With
+    ``torch_xla`` the all-reduces go into the traced step and XLA schedules them.
 
     Parameters without a gradient. A replica without a gradient for a parameter
     contributes zeros, and every replica applies the result; when no replica has
@@ -117,7 +121,8 @@ class CrossShardOptimizer(OptimizerWrapper):
         name: TF's name, accepted and kept (``.name``).
         group_assignment: None, or equal-size lists of ranks that together are
             a permutation of ``range(world_size)``: each list reduces separately.
-        bucket_cap_mb: bucket size after the first, in MiB (DDP's argument).
+        bucket_cap_mb: bucket size in MiB, for every bucket (DDP's argument); None
+            for DDP's default, 1 MiB for the first bucket and 25 MiB after.
 
     Raises:
         TypeError: ``opt`` is not an optimizer; ``reduction``, ``name``,
@@ -146,7 +151,7 @@ class CrossShardOptimizer(OptimizerWrapper):
         name: str = "CrossShardOptimizer",
         group_assignment: list[list[int]] | None = None,
         *,
-        bucket_cap_mb: float = 25.0,
+        bucket_cap_mb: float | None = None,
     ):
         super().__init__(opt)
         if not isinstance(reduction, str):
@@ -158,12 +163,14 @@ class CrossShardOptimizer(OptimizerWrapper):
             )
         if not isinstance(name, str):
             raise TypeError(f"name must be a string, got {type(name).__name__}: {name!r}")
-        if isinstance(bucket_cap_mb, bool) or not isinstance(bucket_cap_mb, (int, float)):
-            raise TypeError(f"bucket_cap_mb must be a number, got {type(bucket_cap_mb).__name__}")
-        check_range("bucket_cap_mb", bucket_cap_mb, 0.0, math.inf, low_inclusive=False)
+        if bucket_cap_mb is not None:
+            if isinstance(bucket_cap_mb, bool) or not isinstance(bucket_cap_mb, (int, float)):
+                raise TypeError(f"bucket_cap_mb must be a number or None, got {type(bucket_cap_mb).__name__}")
+            check_range("bucket_cap_mb", bucket_cap_mb, 0.0, math.inf, low_inclusive=False)
+            bucket_cap_mb = float(bucket_cap_mb)
         self._reduction = _REDUCTIONS[reduction]
         self.name = name
-        self._bucket_cap_mb = float(bucket_cap_mb)
+        self._bucket_cap_mb = bucket_cap_mb
         collective = find_collective(self._all_params())
         self._num_shards = 1 if collective is None else collective.world_size
         # TF validates group_assignment even outside a shard context, against 1 shard.
@@ -232,8 +239,11 @@ class CrossShardOptimizer(OptimizerWrapper):
         assert self._collective is not None
         if self._reducer is not None:
             self._reducer.close()
-        cap_bytes = int(self._bucket_cap_mb * 1024 * 1024)
-        self._reducer = GradientReducer(self._all_params(), self._collective, cap_bytes)
+        if self._bucket_cap_mb is None:
+            cap_bytes, first_cap_bytes = DEFAULT_BUCKET_BYTES, FIRST_BUCKET_BYTES
+        else:
+            cap_bytes = first_cap_bytes = int(self._bucket_cap_mb * 1024 * 1024)
+        self._reducer = GradientReducer(self._all_params(), self._collective, cap_bytes, first_cap_bytes)
         if self._collective.overlap:
             self._reducer.attach_hooks(average=self._reduction == "mean")
 
