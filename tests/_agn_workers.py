@@ -262,7 +262,7 @@ def server_dies(rank: int, world: int, options: dict[str, Any]) -> Any:
         p = [torch.zeros(3)]
 
         def gd_then_die(params: list[Tensor]) -> tgo.GradientDescentOptimizer:
-            return _KillAfter(params, options["kill_after"])
+            return _KillAfter(params, options["kill_after"], world - 1)
 
         return _serve(world, options, p, gd_then_die)
     p = torch.zeros(3)
@@ -271,7 +271,7 @@ def server_dies(rank: int, world: int, options: dict[str, Any]) -> Any:
     try:
         for _ in range(10_000):
             start = time.monotonic()
-            opt.apply_gradients([(torch.full((3,), -1.0), p)])
+            opt.apply_gradients([(torch.full((3,), -float(rank)), p)])
             time.sleep(0.01)
     except AGNServerUnavailableError as e:
         return {"error": str(e), "seconds": time.monotonic() - start, "global_step": opt.global_step}
@@ -293,17 +293,26 @@ class _SlowAt(tgo.GradientDescentOptimizer):
 
 
 class _KillAfter(tgo.GradientDescentOptimizer):
-    """Gradient descent whose process dies (SIGKILL) on update ``kill_after``."""
+    """Gradient descent that dies (SIGKILL) at update ``kill_after``, later if a worker has not pushed yet.
 
-    def __init__(self, params: list[Tensor], kill_after: int):
+    Worker ``k`` pushes gradients of value ``-k``, so the server knows who has
+    pushed: a worker that has not joined yet when the server dies would wait
+    for it as for a late server (``startup_timeout``), not see it die mid-run.
+    """
+
+    def __init__(self, params: list[Tensor], kill_after: int, num_worker: int):
         super().__init__(params, learning_rate=1.0)
         self._left = kill_after
+        self._num_worker = num_worker
+        self._seen: set[float] = set()
 
-    def apply_gradients(self, *args: Any, **kwargs: Any) -> None:
+    def apply_gradients(self, grads_and_vars: Any, *args: Any, **kwargs: Any) -> None:
+        grads_and_vars = list(grads_and_vars)
+        self._seen.add(grads_and_vars[0][0].reshape(-1)[0].item())
         self._left -= 1
-        if self._left == 0:
+        if self._left <= 0 and len(self._seen) == self._num_worker:
             os.kill(os.getpid(), 9)
-        super().apply_gradients(*args, **kwargs)
+        super().apply_gradients(grads_and_vars, *args, **kwargs)
 
 
 def checkpointed(rank: int, world: int, options: dict[str, Any]) -> Any:
