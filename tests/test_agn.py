@@ -260,6 +260,25 @@ def test_bad_worker_arguments(kwargs, error, match):
         AGNOptimizer(_gd([torch.zeros(2)]), server=host.endpoint("w"), **args)
 
 
+@pytest.mark.parametrize(
+    ("pairs", "error", "match"),
+    [
+        (lambda p: [(torch.ones(2), torch.zeros(2))], ValueError, "does not manage variable"),
+        (lambda p: [(torch.ones(2), p), (torch.ones(2), p)], ValueError, "appears more than once"),
+        (lambda p: [(torch.ones(3), p)], ValueError, r"shape"),
+        (lambda p: [torch.ones(2)], TypeError, "must hold .gradient, variable. pairs"),
+    ],
+    ids=["stranger", "twice", "shape", "not_a_pair"],
+)
+def test_bad_pairs_are_refused_before_any_local_step(pairs, error, match):
+    server, host = _local([torch.zeros(2)], _gd, 1)
+    p = torch.zeros(2)
+    opt = AGNOptimizer(_gd([p]), 1, 1, server=host.endpoint("w"))
+    with pytest.raises(error, match=match):
+        opt.apply_gradients(pairs(p))
+    assert opt.local_step == 0 and torch.equal(p, torch.zeros(2)) and server.global_step == 0
+
+
 def test_bad_server_arguments_and_mismatched_parameters(tmp_path):
     with pytest.raises(ValueError, match="num_worker must be an int >= 1, got 0"):
         ParameterServer([torch.zeros(1)], _gd, 0)

@@ -147,15 +147,7 @@ class AGNOptimizer(OptimizerWrapper):
         if global_step is not None:
             _check_global_step(global_step)
         self._check_params()
-        where = {id(p): i for i, p in enumerate(self._params)}
-        grads: list[Tensor | None] = [None] * len(self._params)
-        for item in pairs:
-            if not (isinstance(item, (tuple, list)) and len(item) == 2):
-                raise TypeError(f"grads_and_vars must hold (gradient, variable) pairs, got {item!r}")
-            g, v = item
-            if id(v) not in where:
-                raise ValueError(f"AGNOptimizer does not manage variable {_describe(v)}")
-            grads[where[id(v)]] = g
+        grads, _ = self._grads_by_param(pairs)
         self._apply_inner(pairs, name=name)
         self._accumulate(grads)
         if self._count_step() and global_step is not None:

@@ -9,7 +9,7 @@ from typing import Any, ClassVar
 import torch
 from torch import Tensor
 
-from ._base import _check_global_step, _describe, compute_gradients
+from ._base import _check_global_step, _check_grad, _describe, compute_gradients
 
 __all__ = ["OptimizerWrapper"]
 
@@ -129,6 +129,36 @@ class OptimizerWrapper(torch.optim.Optimizer):
     # ------------------------------------------------------------------ gradients
     def _all_params(self) -> list[Tensor]:
         return [p for group in self.param_groups for p in group["params"]]
+
+    def _grads_by_param(self, pairs: list[Any]) -> tuple[list[Tensor | None], dict[int, None]]:
+        """``(grad, var)`` pairs as one gradient (or None) per parameter of :meth:`_all_params`.
+
+        Also returns the indices of the listed variables, in the pairs' order
+        (an ordered set).
+        Every pair is checked before the caller acts on any: a pair shape, a
+        variable the wrapped optimizer manages, listed once, a gradient that fits it.
+        """
+        params = self._all_params()
+        where = {id(p): i for i, p in enumerate(params)}
+        grads: list[Tensor | None] = [None] * len(params)
+        listed: dict[int, None] = {}
+        for item in pairs:
+            if not (isinstance(item, (tuple, list)) and len(item) == 2):
+                raise TypeError(f"grads_and_vars must hold (gradient, variable) pairs, got {item!r}")
+            g, v = item
+            if not isinstance(v, Tensor) or id(v) not in where:
+                raise ValueError(
+                    f"{type(self._optimizer).__name__} does not manage variable {_describe(v)}; "
+                    f"{type(self).__name__} takes the wrapped optimizer's parameters only"
+                )
+            i = where[id(v)]
+            if i in listed:
+                raise ValueError(f"variable {_describe(v)} appears more than once in grads_and_vars")
+            if g is not None:
+                _check_grad(type(self).__name__, g, v)
+            grads[i] = g
+            listed[i] = None
+        return grads, listed
 
     def compute_gradients(
         self,

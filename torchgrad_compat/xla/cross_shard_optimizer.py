@@ -11,7 +11,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from ..optim._base import _check_global_step, _check_grad, _describe, check_range
+from ..optim._base import _check_global_step, check_range
 from ..optim._wrapper import OptimizerWrapper
 from ._backend import (
     DEFAULT_BUCKET_BYTES,
@@ -345,30 +345,12 @@ class CrossShardOptimizer(OptimizerWrapper):
             return
         if not pairs:
             raise ValueError("No variables provided.")
-        params = self._all_params()
-        where = {id(p): i for i, p in enumerate(params)}
-        grads: list[Tensor | None] = [None] * len(params)
-        listed: dict[int, None] = {}  # ordered set
-        for item in pairs:
-            if not (isinstance(item, (tuple, list)) and len(item) == 2):
-                raise TypeError(f"grads_and_vars must hold (gradient, variable) pairs, got {item!r}")
-            g, v = item
-            if not isinstance(v, Tensor) or id(v) not in where:
-                raise ValueError(
-                    f"{type(self._optimizer).__name__} does not manage variable {_describe(v)}; "
-                    "CrossShardOptimizer reduces the wrapped optimizer's parameters only"
-                )
-            i = where[id(v)]
-            if i in listed:
-                raise ValueError(f"variable {_describe(v)} appears more than once in grads_and_vars")
-            if g is not None:
-                _check_grad(type(self).__name__, g, v)
-            grads[i] = g
-            listed[i] = None
+        grads, listed = self._grads_by_param(pairs)
         if global_step is not None:
             _check_global_step(global_step)
         sums = self._reducer.reduce(grads, average=False)
         # A variable another replica has a gradient for is applied here too, so replicas stay equal.
+        params = self._all_params()
         others = [i for i in range(len(params)) if i not in listed and sums[i] is not None]
         summed = [(sums[i], params[i]) for i in [*listed, *others]]
         self._apply_inner(summed, global_step, name)
