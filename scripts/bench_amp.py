@@ -10,7 +10,8 @@ with its own copy of the same gradients:
 - bare: ``opt.step()`` on the gradients;
 - LossScaleOptimizer: ``LossScaleOptimizer(opt, "dynamic").step()`` on the
   gradients times ``2**15`` (unscale in place with the fused check, update the
-  scale on device, one host sync, the inner step);
+  scale on device, one host sync, the inner step; around torch's fused Adam no
+  host sync: its kernel takes the non-finite flag and skips on device);
 - GradScaler: ``scaler.step(opt); scaler.update()`` on the same scaled
   gradients (``torch.amp.GradScaler(init_scale=2**15)``).
 

@@ -6,9 +6,10 @@ parameters, the scale, the good-step counter, global_step) and the tests compare
 the ranks here. A non-finite gradient appears on rank 1 only, at chosen steps:
 
 - as a rank-local inf written into a gradient after any reduction (plain data
-  parallelism without DDP, DDP after its all-reduce, CrossShardOptimizer after
-  its backward-time reduction, and TF style before ``apply_gradients``): only
-  the found-inf all-reduce of LossScaleOptimizer can make rank 0 skip too;
+  parallelism without DDP, DDP after its all-reduce, also around torch's fused
+  Adam, which skips in its kernel, CrossShardOptimizer after its backward-time
+  reduction, and TF style before ``apply_gradients``): only the found-inf
+  all-reduce of LossScaleOptimizer can make rank 0 skip too;
 - as a NaN loss on rank 1 (DDP and CrossShardOptimizer): the reduction spreads
   it, and every rank must still take the same decision.
 
@@ -57,7 +58,7 @@ def _has_cross_shard() -> bool:
     return True
 
 
-SCENARIOS = ["tf_style", "torch_style", "ddp"] + (
+SCENARIOS = ["tf_style", "torch_style", "ddp", "ddp_fused"] + (
     ["cross_shard", "cross_shard_tf_style"] if _has_cross_shard() else []
 )
 
@@ -132,10 +133,13 @@ def _torch_style(rank: int) -> list[dict[str, Any]]:
     return out
 
 
-def _ddp(rank: int) -> list[dict[str, Any]]:
+def _ddp(rank: int, fused: bool = False) -> list[dict[str, Any]]:
+    """DDP around this package's Adam, or around torch's fused Adam, whose kernel skips on device."""
     model = nn.parallel.DistributedDataParallel(_model())
     params = list(model.parameters())
-    opt = _new_optimizer(tgo.AdamOptimizer(params, 0.01))
+    opt = _new_optimizer(
+        torch.optim.Adam(params, 0.01, fused=True) if fused else tgo.AdamOptimizer(params, 0.01)
+    )
     out = []
     for step in range(STEPS):
         opt.zero_grad()
@@ -182,6 +186,7 @@ RUNS: dict[str, Callable[[int], list[dict[str, Any]]]] = {
     "tf_style": _tf_style,
     "torch_style": _torch_style,
     "ddp": _ddp,
+    "ddp_fused": lambda rank: _ddp(rank, fused=True),
     "cross_shard": _cross_shard,
     "cross_shard_tf_style": _cross_shard_tf_style,
 }

@@ -29,6 +29,7 @@ import torch
 import torch.nn.functional as F
 from optim_specs import SPECS, OptimSpec
 from torch import Tensor, nn
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import torchgrad_compat.optim as tgo
 from torchgrad_compat.amp import DynamicLossScale, FixedLossScale, LossScaleOptimizer
@@ -149,11 +150,21 @@ def _ours(spec: OptimSpec) -> Callable[[list[Tensor]], torch.optim.Optimizer]:
     return lambda params: spec.make(params)
 
 
-# (id, factory, supports sparse gradients)
-INNER = [(spec.name.removesuffix("Optimizer"), _ours(spec), True) for spec in SPECS] + [
-    ("torch.Adam", _torch_adam, False),
-    ("torch.SGD", _torch_sgd, False),
+# torch's fused optimizers, whose kernels LossScaleOptimizer lets skip on device: (id, factory).
+FUSED: list[tuple[str, Callable[[list[Tensor]], torch.optim.Optimizer]]] = [
+    ("torch.Adam.fused", lambda ps: torch.optim.Adam(ps, lr=0.01, fused=True)),
+    ("torch.AdamW.fused", lambda ps: torch.optim.AdamW(ps, lr=0.01, amsgrad=True, fused=True)),
+    ("torch.SGD.fused", lambda ps: torch.optim.SGD(ps, lr=0.01, momentum=0.9, fused=True)),
+    ("torch.SGD.fused.plain", lambda ps: torch.optim.SGD(ps, lr=0.01, fused=True)),
+    ("torch.Adagrad.fused", lambda ps: torch.optim.Adagrad(ps, lr=0.01, fused=True)),
 ]
+
+# (id, factory, supports sparse gradients)
+INNER = (
+    [(spec.name.removesuffix("Optimizer"), _ours(spec), True) for spec in SPECS]
+    + [("torch.Adam", _torch_adam, False), ("torch.SGD", _torch_sgd, False)]
+    + [(name, factory, False) for name, factory in FUSED]
+)
 SHAPES = [(4, 3), (5,), (6, 2)]
 
 
@@ -290,12 +301,86 @@ def test_matches_an_unscaled_control_that_skips(inner: str) -> None:
     assert float(opt.loss_scale()) == 128.0 * 2**7 * 0.5**1
 
 
-def test_matches_grad_scaler() -> None:
+@pytest.mark.parametrize(("name", "factory"), FUSED, ids=[f[0] for f in FUSED])
+def test_fused_inner_matches_an_unscaled_control_that_skips(name: str, factory: Any) -> None:
+    """Around torch's fused optimizers, whose kernels skip on device: NaN at step 0 (before
+    any state exists; SGD's would be an uninitialised momentum buffer) and inf at step 3
+    ≡ an unscaled run without those steps, parameters and state bitwise."""
+    scaled_model, control_model = _model(), _model()
+    opt = LossScaleOptimizer(
+        factory(list(scaled_model.parameters())), DynamicLossScale(128.0, increment_period=1)
+    )
+    control = factory(list(control_model.parameters()))
+    poison = {0: NAN, 3: INF}
+    for i in range(8):
+        opt.zero_grad()
+        opt.get_scaled_loss(_mse(scaled_model, i) * poison.get(i, 1.0)).backward()
+        opt.step()
+        if i not in poison:
+            control.zero_grad()
+            _mse(control_model, i).backward()
+            control.step()
+    for p, q in zip(scaled_model.parameters(), control_model.parameters()):
+        assert torch.equal(p, q)
+    _assert_same(opt.inner_optimizer.state_dict()["state"], control.state_dict()["state"])
+    assert float(opt.loss_scale()) == 128.0 * 0.5 * 2**2 * 0.5 * 2**4
+
+
+class _HostReads(TorchDispatchMode):
+    """Counts the host's reads of tensor values (``bool(t)``, ``t.item()``): on a GPU, each syncs."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.count = 0
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        if func is torch.ops.aten._local_scalar_dense.default:
+            self.count += 1
+        return func(*args, **(kwargs or {}))
+
+
+# Not torch's foreach Adam: it reads its step counters, CPU tensors, on the host itself.
+HOST_READ_INNER = [("Adam", lambda ps: tgo.AdamOptimizer(ps, 0.01)), *FUSED]
+# Fused optimizers whose state exists before their first step (or that have none).
+READY_FROM_THE_START = {"torch.SGD.fused.plain", "torch.Adagrad.fused"}
+
+
+@pytest.mark.parametrize(("name", "factory"), HOST_READ_INNER, ids=[f[0] for f in HOST_READ_INNER])
+def test_host_reads_per_step(name: str, factory: Any) -> None:
+    """step() reads one value on the host, the apply-or-skip decision; around torch's fused
+    optimizers none once their state exists (Adam's first step still decides on the host),
+    also after unscale_() and on skipped steps."""
+    model = _model()
+    opt = LossScaleOptimizer(factory(list(model.parameters())), DynamicLossScale(128.0, 2))
+    counts = []
+    for i in range(4):
+        opt.zero_grad()
+        opt.get_scaled_loss(_mse(model, i) * (INF if i == 2 else 1.0)).backward()
+        if i == 3:
+            opt.unscale_()
+        with _HostReads() as reads:
+            opt.step()
+        counts.append(reads.count)
+    if name not in dict(FUSED):
+        assert counts == [1, 1, 1, 1]
+    else:
+        assert counts == [0 if name in READY_FROM_THE_START else 1, 0, 0, 0]
+    assert float(opt.loss_scale()) == 128.0  # grew after step 1, backed off at step 2
+
+
+@pytest.mark.parametrize("fused", [False, True], ids=["foreach", "fused"])
+def test_matches_grad_scaler(fused: bool) -> None:
     """Where the rules coincide (growth 2, backoff 0.5, no floor reached), torch Adam under
-    GradScaler and under LossScaleOptimizer take bitwise the same steps with the same scales."""
+    GradScaler and under LossScaleOptimizer take bitwise the same steps with the same scales.
+
+    Fused, GradScaler hands the scale to Adam's kernel, which divides by it; here
+    the gradients are multiplied by its reciprocal first: the same, for powers of two.
+    """
     model_a, model_b = _model(), _model()
-    opt = LossScaleOptimizer(torch.optim.Adam(model_a.parameters(), 0.01), DynamicLossScale(1024.0, 2))
-    adam = torch.optim.Adam(model_b.parameters(), 0.01)
+    opt = LossScaleOptimizer(
+        torch.optim.Adam(model_a.parameters(), 0.01, fused=fused), DynamicLossScale(1024.0, 2)
+    )
+    adam = torch.optim.Adam(model_b.parameters(), 0.01, fused=fused)
     scaler = torch.amp.GradScaler(
         "cpu", init_scale=1024.0, growth_factor=2.0, backoff_factor=0.5, growth_interval=2
     )
@@ -320,6 +405,7 @@ STYLE_INNER: dict[str, Callable[[list[Tensor]], torch.optim.Optimizer]] = {
     "Adam": lambda params: tgo.AdamOptimizer(params, 0.01),
     "Momentum": lambda params: tgo.MomentumOptimizer(params, 0.05, 0.9),
     "torch.Adam": lambda params: torch.optim.Adam(params, 0.01),
+    "torch.Adam.fused": lambda params: torch.optim.Adam(params, 0.01, fused=True),
 }
 
 

@@ -43,7 +43,12 @@ class LossScaleOptimizer(OptimizerWrapper):
       ``step()`` divides every ``p.grad`` by :math:`S` in place with torch's fused
       check-and-unscale kernel (one pass that also finds non-finite values),
       updates the scale on device, and synchronises with the host once, to
-      apply or skip. To clip the gradients, call ``opt.unscale_()`` first.
+      apply or skip. Around torch's fused Adam, AdamW, SGD and Adagrad
+      (``fused=True``) it does not synchronise at all: their kernels take the
+      non-finite flag and skip on device (GradScaler's protocol), as soon as
+      their state exists (Adam's, and SGD's with momentum, after their first
+      step); their step hooks then run on skipped steps too. To clip the
+      gradients, call ``opt.unscale_()`` first.
     - TF: ``compute_gradients(loss)`` returns unscaled gradients;
       ``apply_gradients(grads_and_vars, global_step)`` takes unscaled gradients,
       updates the scale and applies or skips; ``minimize`` does both.
@@ -189,6 +194,9 @@ class LossScaleOptimizer(OptimizerWrapper):
     def step(self, closure: Callable[[], Any] | None = None) -> Any:
         """Unscale ``p.grad`` in place (unless ``unscale_()`` did), update the scale, apply or skip.
 
+        One host synchronisation, for the decision, or none around a fused
+        torch optimizer that can skip on device (see the class docstring).
+
         ``closure``, if given, must compute the loss and call
         ``opt.get_scaled_loss(loss).backward()``; its result is returned.
 
@@ -204,7 +212,11 @@ class LossScaleOptimizer(OptimizerWrapper):
         with torch.no_grad():
             found_inf = self._found_inf if self._unscaled else self._unscale_grads()
             self._unscaled, self._found_inf = False, None
-            if self._should_apply(found_inf):
+            if found_inf is not None and _skips_on_device(self._optimizer):
+                self._agree(found_inf)
+                self._loss_scale.update_from_found_inf(found_inf)
+                self._step_skipping_on_device(found_inf)
+            elif self._should_apply(found_inf):
                 self._optimizer.step()
         return loss
 
@@ -320,9 +332,28 @@ class LossScaleOptimizer(OptimizerWrapper):
         """
         if found_inf is None:
             return True
+        self._agree(found_inf)
+        return bool(self._loss_scale.update_from_found_inf(found_inf))
+
+    @staticmethod
+    def _agree(found_inf: Tensor) -> None:
+        """Make ``found_inf`` (0 or 1) the maximum over the ranks of the default group, in place."""
         if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
             dist.all_reduce(found_inf, op=dist.ReduceOp.MAX)
-        return bool(self._loss_scale.update_from_found_inf(found_inf))
+
+    def _step_skipping_on_device(self, found_inf: Tensor) -> None:
+        """Step the wrapped fused optimizer with ``found_inf``: its kernel applies or skips.
+
+        This is GradScaler's protocol: the flag is an attribute for one ``step()``.
+        Its kernels skip when the flag is exactly 1, as ``found_inf`` is here
+        (1.0 or 0.0, also after the MAX all-reduce).
+        """
+        inner: Any = self._optimizer
+        inner.found_inf = found_inf.reshape(())
+        try:
+            inner.step()
+        finally:
+            del inner.found_inf
 
     # ------------------------------------------------------------------ state
     def variables(self) -> list[Tensor]:
@@ -348,6 +379,44 @@ class LossScaleOptimizer(OptimizerWrapper):
         except Exception:
             self._loss_scale.load_state_dict(previous)
             raise
+
+
+# torch optimizers whose fused kernels skip the whole update on device when handed
+# ``found_inf`` (``_step_supports_amp_scaling``), each with what it needs to have
+# created first: a skipped first step would create state, and for SGD with
+# momentum that state is an uninitialised buffer, which the skip leaves in place.
+_FUSED_SKIPPERS: dict[type[torch.optim.Optimizer], Callable[[torch.optim.Optimizer], bool]] = {
+    torch.optim.Adam: lambda opt: _every_state_exists(opt, "exp_avg"),
+    torch.optim.AdamW: lambda opt: _every_state_exists(opt, "exp_avg"),
+    torch.optim.Adagrad: lambda opt: _every_state_exists(opt, "sum"),
+    torch.optim.SGD: lambda opt: _every_state_exists(opt, "momentum_buffer", lambda g: g["momentum"] != 0),
+}
+
+
+def _skips_on_device(optimizer: torch.optim.Optimizer) -> bool:
+    """Whether ``optimizer`` is a torch fused optimizer that can apply-or-skip on ``found_inf`` now.
+
+    Only the exact classes of ``_FUSED_SKIPPERS`` (a subclass may step
+    differently), with ``fused=True``, and only once the state of every parameter
+    with a gradient exists.
+    """
+    ready = _FUSED_SKIPPERS.get(type(optimizer))
+    return ready is not None and getattr(optimizer, "_step_supports_amp_scaling", False) and ready(optimizer)
+
+
+def _every_state_exists(
+    optimizer: torch.optim.Optimizer,
+    slot: str,
+    needed: Callable[[dict[str, Any]], bool] = lambda group: True,
+) -> bool:
+    """Every parameter with a gradient, in a group that ``needed``, has a ``slot`` tensor."""
+    return all(
+        isinstance(optimizer.state.get(p, {}).get(slot), Tensor)
+        for group in optimizer.param_groups
+        if needed(group)
+        for p in group["params"]
+        if p.grad is not None
+    )
 
 
 def _times(t: Tensor, inv_scale: Tensor) -> Tensor:
