@@ -19,6 +19,7 @@ import io
 import json
 import math
 import pickle
+import warnings
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -723,15 +724,22 @@ def test_fixed_scale_applies_non_finite_gradients() -> None:
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_one_host_sync_per_step() -> None:
+@pytest.mark.parametrize(("fused", "syncs"), [(False, 1), (True, 0)], ids=["foreach", "fused"])
+def test_host_syncs_per_step_on_cuda(fused: bool, syncs: int) -> None:
+    """CUDA's own count of the syncs in the second step: one (the decision) around SGD
+    foreach, none around fused SGD with momentum, whose kernel skips on device."""
     w = torch.nn.Parameter(torch.randn(1000, device="cuda"))
-    opt = LossScaleOptimizer(torch.optim.SGD([w], lr=0.1, foreach=True))
-    opt.get_scaled_loss((w * w).sum()).backward()
-    torch.cuda.synchronize()
-    torch.cuda.set_sync_debug_mode("warn")
-    try:
-        with pytest.warns(UserWarning, match="synchroniz") as caught:
-            opt.step()
-    finally:
-        torch.cuda.set_sync_debug_mode(0)
-    assert len([w for w in caught if "synchroniz" in str(w.message)]) == 1
+    inner = torch.optim.SGD([w], lr=0.1, momentum=0.9, **({"fused": True} if fused else {"foreach": True}))
+    opt = LossScaleOptimizer(inner)
+    for _ in range(2):
+        opt.zero_grad()
+        opt.get_scaled_loss((w * w).sum()).backward()
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                opt.step()
+        finally:
+            torch.cuda.set_sync_debug_mode(0)
+    assert len([w for w in caught if "synchroniz" in str(w.message)]) == syncs
