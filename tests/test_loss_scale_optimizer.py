@@ -283,36 +283,20 @@ def test_matches_an_unscaled_control_that_skips(inner: str) -> None:
         if inner == "ours"
         else (lambda ps: torch.optim.Adam(ps, 0.01))
     )
-    scaled_model, control_model = _model(), _model()
-    opt = LossScaleOptimizer(make(scaled_model.parameters()), DynamicLossScale(128.0, increment_period=1))
-    control = make(control_model.parameters())
-    skip = 3
-    for i in range(8):
-        opt.zero_grad()
-        loss = _mse(scaled_model, i) * (INF if i == skip else 1.0)
-        opt.get_scaled_loss(loss).backward()
-        opt.step()
-        if i != skip:
-            control.zero_grad()
-            _mse(control_model, i).backward()
-            control.step()
-    for p, q in zip(scaled_model.parameters(), control_model.parameters()):
-        assert torch.equal(p, q)
-    _assert_same(opt.inner_optimizer.state_dict()["state"], control.state_dict()["state"])
+    opt = _against_an_unscaled_control(make, {3: INF})
     assert float(opt.loss_scale()) == 128.0 * 2**7 * 0.5**1
 
 
-@pytest.mark.parametrize(("name", "factory"), FUSED, ids=[f[0] for f in FUSED])
-def test_fused_inner_matches_an_unscaled_control_that_skips(name: str, factory: Any) -> None:
-    """Around torch's fused optimizers, whose kernels skip on device: NaN at step 0 (before
-    any state exists; SGD's would be an uninitialised momentum buffer) and inf at step 3
-    ≡ an unscaled run without those steps, parameters and state bitwise."""
+def _against_an_unscaled_control(
+    make: Callable[[list[Tensor]], torch.optim.Optimizer], poison: dict[int, float]
+) -> LossScaleOptimizer:
+    """Eight steps scaled (scale 128, growing every step) with the loss times ``poison[i]`` at
+    step i, and unscaled without those steps: bitwise the same parameters and state."""
     scaled_model, control_model = _model(), _model()
     opt = LossScaleOptimizer(
-        factory(list(scaled_model.parameters())), DynamicLossScale(128.0, increment_period=1)
+        make(list(scaled_model.parameters())), DynamicLossScale(128.0, increment_period=1)
     )
-    control = factory(list(control_model.parameters()))
-    poison = {0: NAN, 3: INF}
+    control = make(list(control_model.parameters()))
     for i in range(8):
         opt.zero_grad()
         opt.get_scaled_loss(_mse(scaled_model, i) * poison.get(i, 1.0)).backward()
@@ -324,6 +308,15 @@ def test_fused_inner_matches_an_unscaled_control_that_skips(name: str, factory: 
     for p, q in zip(scaled_model.parameters(), control_model.parameters()):
         assert torch.equal(p, q)
     _assert_same(opt.inner_optimizer.state_dict()["state"], control.state_dict()["state"])
+    return opt
+
+
+@pytest.mark.parametrize(("name", "factory"), FUSED, ids=[f[0] for f in FUSED])
+def test_fused_inner_matches_an_unscaled_control_that_skips(name: str, factory: Any) -> None:
+    """Around torch's fused optimizers, whose kernels skip on device: NaN at step 0 (before
+    any state exists; SGD's would be an uninitialised momentum buffer) and inf at step 3
+    ≡ an unscaled run without those steps, parameters and state bitwise."""
+    opt = _against_an_unscaled_control(factory, {0: NAN, 3: INF})
     assert float(opt.loss_scale()) == 128.0 * 0.5 * 2**2 * 0.5 * 2**4
 
 

@@ -213,8 +213,7 @@ class LossScaleOptimizer(OptimizerWrapper):
             found_inf = self._found_inf if self._unscaled else self._unscale_grads()
             self._unscaled, self._found_inf = False, None
             if found_inf is not None and _skips_on_device(self._optimizer):
-                self._agree(found_inf)
-                self._loss_scale.update_from_found_inf(found_inf)
+                self._advance(found_inf)
                 self._step_skipping_on_device(found_inf)
             elif self._should_apply(found_inf):
                 self._optimizer.step()
@@ -330,16 +329,14 @@ class LossScaleOptimizer(OptimizerWrapper):
 
         ``found_inf`` None: the loss scale does not look at gradients (apply).
         """
-        if found_inf is None:
-            return True
-        self._agree(found_inf)
-        return bool(self._loss_scale.update_from_found_inf(found_inf))
+        return found_inf is None or bool(self._advance(found_inf))
 
-    @staticmethod
-    def _agree(found_inf: Tensor) -> None:
-        """Make ``found_inf`` (0 or 1) the maximum over the ranks of the default group, in place."""
+    def _advance(self, found_inf: Tensor) -> Tensor:
+        """Make ``found_inf`` (0 or 1) the maximum over the ranks of the default group, in
+        place, and advance the scale on it; return the device-side "apply" flag, unread."""
         if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
             dist.all_reduce(found_inf, op=dist.ReduceOp.MAX)
+        return self._loss_scale.update_from_found_inf(found_inf)
 
     def _step_skipping_on_device(self, found_inf: Tensor) -> None:
         """Step the wrapped fused optimizer with ``found_inf``: its kernel applies or skips.
