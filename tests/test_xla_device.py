@@ -47,3 +47,54 @@ def test_optimizer_on_xla_matches_cpu(monkeypatch, spec: OptimSpec, cid: str, fo
     actual = _run(spec, cid, torch_xla.device(), foreach=foreach)
     for a, e in zip(actual, expected):
         torch.testing.assert_close(a, e, rtol=1e-5, atol=1e-6)
+
+
+def test_reduced_gradients_come_from_the_all_reduce(monkeypatch):
+    """Every per-parameter sum is computed from the all-reduce, not from the buffer before it.
+
+    One replica's sum equals its own gradient, so the values cannot tell; the traced
+    graph can: with ``XLA_ALWAYS_ALLREDUCE=1`` torch_xla traces the collective even
+    for one replica, and each parameter's result must depend on it. (The in-place
+    list form of ``xm.all_reduce`` left these views reading the unreduced buffer, and
+    several replicas then trained on their own shards only.)
+    """
+    monkeypatch.setenv("PJRT_DEVICE", "CPU")
+    monkeypatch.setenv("XLA_ALWAYS_ALLREDUCE", "1")
+    import torch_xla
+
+    from torchgrad_compat.xla._backend import GradientReducer, XlaCollective
+
+    device = torch_xla.device()
+    params = [torch.zeros(3, device=device), torch.zeros(2, 2, device=device)]
+    reducer = GradientReducer(params, XlaCollective(), bucket_cap_bytes=1024, first_bucket_cap_bytes=1024)
+    grads = [torch.arange(3.0).to(device), torch.ones(2, 2).to(device)]
+    for average in (False, True):
+        sums = reducer.reduce(grads, average=average)
+        for i, summed in enumerate(sums):
+            hlo = torch_xla._XLAC._get_xla_tensors_hlo([summed])
+            assert "all-reduce" in hlo, f"parameter {i} (average={average}): no all-reduce in\n{hlo}"
+        assert torch.equal(sums[0].cpu(), torch.arange(3.0)) and torch.equal(sums[1].cpu(), torch.ones(2, 2))
+
+
+def test_non_finite_gradients_are_found_on_xla(monkeypatch):
+    """NaN as well as inf: XLA's max drops NaN, so an inf-norm check would call NaN finite."""
+    monkeypatch.setenv("PJRT_DEVICE", "CPU")
+    import torch_xla
+
+    from torchgrad_compat.amp import LossScaleOptimizer
+    from torchgrad_compat.amp.loss_scale import found_non_finite
+    from torchgrad_compat.optim import GradientDescentOptimizer
+
+    device = torch_xla.device()
+    finite = torch.tensor([1.0, -2.0]).to(device)
+    for bad in (float("nan"), float("inf"), -float("inf")):
+        grads = [finite, torch.tensor([3.0, bad, 1.0]).to(device)]
+        assert found_non_finite(grads, device).cpu().item() == 1.0, bad
+    assert found_non_finite([finite], device).cpu().item() == 0.0
+
+    # TF style around LossScaleOptimizer: the NaN step is skipped, the scale halves.
+    w = torch.tensor([1.0, 2.0]).to(device).requires_grad_()
+    opt = LossScaleOptimizer(GradientDescentOptimizer([w], learning_rate=0.5), loss_scale="dynamic")
+    opt.apply_gradients([(torch.tensor([float("nan"), 1.0]).to(device), w)])
+    assert torch.equal(w.detach().cpu(), torch.tensor([1.0, 2.0]))
+    assert opt.loss_scale().cpu().item() == 2.0**14

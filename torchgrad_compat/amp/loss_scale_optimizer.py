@@ -329,12 +329,33 @@ class LossScaleOptimizer(OptimizerWrapper):
 
         ``found_inf`` None: the loss scale does not look at gradients (apply).
         """
-        return found_inf is None or bool(self._advance(found_inf))
+        if found_inf is None:
+            return True
+        apply = self._advance(found_inf)
+        if apply.device.type == "xla":
+            # Run the step so far as one graph before the read: reading a pending XLA tensor runs
+            # the part of the graph it needs, and the step's end would then run that part again.
+            import torch_xla
+
+            torch_xla.sync()
+        return bool(apply)
 
     def _advance(self, found_inf: Tensor) -> Tensor:
-        """Make ``found_inf`` (0 or 1) the maximum over the ranks of the default group, in
-        place, and advance the scale on it; return the device-side "apply" flag, unread."""
-        if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        """Make ``found_inf`` (0 or 1) the maximum over the ranks, in place, and advance the
+        scale on it; return the device-side "apply" flag, unread.
+
+        The ranks are torch_xla's replicas when the flag is on an XLA device, else the
+        default ``torch.distributed`` group: every replica skips when one has a non-finite
+        gradient, since the cross-replica sum would carry it to all of them.
+        """
+        if found_inf.device.type == "xla":
+            import torch_xla.core.xla_model as xm
+            import torch_xla.runtime as xr
+
+            if xr.world_size() > 1:
+                # Out of place, then copy_: see XlaCollective.all_reduce_sum.
+                found_inf.copy_(xm.all_reduce(xm.REDUCE_MAX, found_inf))
+        elif dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
             dist.all_reduce(found_inf, op=dist.ReduceOp.MAX)
         return self._loss_scale.update_from_found_inf(found_inf)
 

@@ -77,6 +77,8 @@ class Collective(ABC):
     overlap: bool
     # The summed presence counters are read on the host (see GradientReducer).
     reads_counters: bool
+    # One program over a whole device mesh (torch_xla SPMD): the compiler reduces the gradients.
+    spmd: bool = False
 
     def __init__(self, world_size: int):
         self.world_size = world_size
@@ -165,11 +167,29 @@ class XlaCollective(Collective):
                 "package, and importing torch_xla failed"
             ) from error
         super().__init__(xr.world_size())
+        self.spmd = xr.is_spmd()
         self._xm = xm
         self._groups: list[list[int]] | None = None
 
     def all_gather_bytes(self, payload: bytes) -> list[bytes]:
-        return list(self._xm.rendezvous("torchgrad_compat.CrossShardOptimizer", payload))
+        # Not xm.rendezvous: its all_gather pins the layout, which pads each replica's tensor by
+        # its ordinal and so gives every replica a different program. A collective must be one
+        # program on every replica; here the lengths go first, then payloads padded to the longest.
+        # Each exchange is a graph of its own (torch_xla.sync before the read), as in xm.rendezvous.
+        import torch_xla
+
+        device = torch_xla.device()
+        torch_xla.sync()
+        size = torch.tensor([len(payload)], dtype=torch.int64, device=device)
+        sizes = self._xm.all_gather(size, pin_layout=False)
+        torch_xla.sync()
+        lengths = sizes.cpu().tolist()
+        data = torch.zeros(max(lengths), dtype=torch.uint8)
+        data[: len(payload)] = torch.tensor(list(payload), dtype=torch.uint8)
+        gathered = self._xm.all_gather(data.to(device), pin_layout=False)
+        torch_xla.sync()
+        rows = gathered.cpu().view(len(lengths), -1)
+        return [bytes(row[:n].tolist()) for row, n in zip(rows, lengths, strict=True)]
 
     def join_groups(self, group_assignment: list[list[int]] | None) -> None:
         self._groups = group_assignment
@@ -177,11 +197,17 @@ class XlaCollective(Collective):
             self.group_size = len(group_assignment[0])
 
     def all_reduce_sum(self, tensor: Tensor) -> Work:
-        self._xm.all_reduce(self._xm.REDUCE_SUM, [tensor], groups=self._groups)
+        # Out of place, then copy_: the in-place list form (``all_reduce(op, [tensor])``) swaps the
+        # buffer's value underneath torch_xla's functionalization, so views taken of the buffer
+        # earlier (the per-parameter gradients) keep reading the values from before the sum.
+        # copy_ goes through the dispatcher, which updates every view.
+        tensor.copy_(self._xm.all_reduce(self._xm.REDUCE_SUM, tensor, groups=self._groups))
         return _Done()
 
     def all_gather(self, tensor: Tensor) -> list[Tensor]:
-        return list(self._xm.all_gather(tensor.unsqueeze(0), dim=0, groups=self._groups).unbind(0))
+        # pin_layout=False for the same reason as in all_gather_bytes.
+        gathered = self._xm.all_gather(tensor.unsqueeze(0), dim=0, groups=self._groups, pin_layout=False)
+        return list(gathered.unbind(0))
 
 
 def find_collective(params: Sequence[Tensor]) -> Collective | None:

@@ -25,6 +25,12 @@ from ._backend import (
 
 __all__ = ["CrossShardOptimizer"]
 
+_SPMD_NOTE = (
+    "CrossShardOptimizer: torch_xla runs in SPMD mode, where the step is one program over the whole "
+    "device mesh and GSPMD already sums the gradients across its data-parallel shards; they are applied "
+    "as they are, with no second reduction. 'reduction' has no per-replica losses to act on there: the "
+    "loss over the global batch decides (its mean gives 'mean'; times the number of data shards, 'sum')"
+)
 # TF's losses.Reduction.MEAN is "weighted_mean" and SUM is "weighted_sum".
 _REDUCTIONS = {"mean": "mean", "weighted_mean": "mean", "sum": "sum", "weighted_sum": "sum"}
 
@@ -95,6 +101,14 @@ class CrossShardOptimizer(OptimizerWrapper):
 
     Without a process group, or with a world size of 1, this is the wrapped
     optimizer plus a one-time warning (TF: "Assuming 1" shard).
+
+    torch_xla SPMD (``torch_xla.runtime.use_spmd()``): the step is one program
+    over the whole mesh, the loss is the global batch's, and GSPMD sums the
+    gradients across the data-parallel shards as part of that program. This is
+    then the wrapped optimizer plus a one-time warning: a second reduction would
+    count every gradient once per shard. ``reduction`` has no per-replica
+    losses to act on: the global loss decides (its mean over the batch gives
+    "mean"; multiplied by the number of data shards, "sum").
 
     Differences from TensorFlow:
         1. ``group_assignment`` must be a true permutation: TF compares sets and
@@ -177,6 +191,9 @@ class CrossShardOptimizer(OptimizerWrapper):
         self._group_assignment = check_group_assignment(group_assignment, self._num_shards)
         self._collective: Collective | None = None
         self._reducer: GradientReducer | None = None
+        if collective is not None and collective.spmd:
+            warnings.warn(_SPMD_NOTE, stacklevel=2)
+            return
         if collective is None or collective.world_size == 1:
             if collective is None:
                 why = "no torch.distributed process group is initialized"
