@@ -4,6 +4,7 @@
     python scripts/train.py --optimizer ftrl --style tf   # TF style: opt.minimize(loss)
     python scripts/train.py --optimizer momentum --lr 0.05 --steps 1000 --device cuda
     python scripts/train.py --loss-scale dynamic          # autocast + LossScaleOptimizer
+    PJRT_DEVICE=CPU python scripts/train.py --device xla  # torch_xla, one replica
     torchrun --nproc-per-node 2 scripts/train.py --cross-shard   # CrossShardOptimizer, gloo
 
 The data are synthetic, generated from ``--seed`` (nothing is downloaded): every
@@ -11,7 +12,8 @@ example has 16 dense features and one token out of 100, and its label (one of 4
 classes) is decided by a fixed random linear "teacher". The model is a two-layer
 MLP over the features concatenated with an embedding of the token. The embedding
 is ``nn.Embedding(sparse=True)``, so each step hands the optimizer a sparse COO
-gradient too and TensorFlow's sparse update rule of the chosen optimizer runs.
+gradient too and TensorFlow's sparse update rule of the chosen optimizer runs
+(on XLA, which has no sparse tensors, the embedding's gradient is dense).
 
 The two ``--style`` values drive the optimizer the two ways the library supports
 and print the same numbers:
@@ -24,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import importlib.util
 import io
 import math
 import os
@@ -117,11 +120,11 @@ def make_datasets(seed: int) -> tuple[Dataset, Dataset]:
 
 
 class Classifier(nn.Module):
-    """Two-layer MLP over [features, embedding(token)]; the embedding's gradient is sparse."""
+    """Two-layer MLP over [features, embedding(token)]; the embedding's gradient is sparse if asked."""
 
-    def __init__(self) -> None:
+    def __init__(self, sparse: bool = True) -> None:
         super().__init__()
-        self.embedding = nn.Embedding(NUM_TOKENS, EMBEDDING_DIM, sparse=True)
+        self.embedding = nn.Embedding(NUM_TOKENS, EMBEDDING_DIM, sparse=sparse)
         self.hidden = nn.Linear(NUM_FEATURES + EMBEDDING_DIM, HIDDEN)
         self.output = nn.Linear(HIDDEN, NUM_CLASSES)
 
@@ -149,7 +152,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--lr", type=float, default=None, help="learning rate (default: per optimizer)")
     parser.add_argument("--steps", type=int, default=300)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
+    parser.add_argument(
+        "--device",
+        choices=["cpu", "cuda", "xla"],
+        default="cpu",
+        help="xla: one torch_xla replica (PJRT_DEVICE picks the hardware, e.g. PJRT_DEVICE=CPU)",
+    )
     parser.add_argument(
         "--style",
         choices=["torch", "tf"],
@@ -166,7 +174,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--loss-scale",
         default="none",
         help="none, dynamic, or a fixed number >= 1: wrap the optimizer in LossScaleOptimizer and "
-        "compute the loss under torch.autocast (bfloat16 on CPU, float16 on CUDA)",
+        "compute the loss under torch.autocast (float16 on CUDA, bfloat16 on CPU and XLA)",
     )
     args = parser.parse_args(argv)
     args.loss_scale = _loss_scale(parser, args.loss_scale)
@@ -178,6 +186,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         parser.error(f"--steps must be at least 1, got {args.steps}")
     if args.device == "cuda" and not torch.cuda.is_available():
         parser.error("--device cuda was requested but torch.cuda.is_available() is False")
+    if args.device == "xla":
+        if importlib.util.find_spec("torch_xla") is None:
+            parser.error("--device xla needs the torch_xla package (pip install torch_xla with its torch)")
+        if args.cross_shard:
+            parser.error("--cross-shard runs under torchrun with gloo or nccl, not with --device xla")
     return args
 
 
@@ -207,36 +220,37 @@ def describe_run(
     how = "loss.backward(); opt.step()" if args.style == "torch" else "opt.minimize(loss, global_step)"
     arguments = ", ".join(f"{k}={v}" for k, v in hyperparameters.items())
     num_params = sum(p.numel() for group in opt.param_groups for p in group["params"])
+    sparse = args.device != "xla"
     print(f"optimizer: {type(opt).__name__}({arguments}), {args.style} style: {how}")
     print(
         f"data: {TRAIN_SIZE} training / {HELD_OUT_SIZE} held-out examples, {NUM_FEATURES} features + "
         f"1 of {NUM_TOKENS} tokens, {NUM_CLASSES} classes (seed {args.seed})"
     )
     print(
-        f"model: {num_params:,} parameters: Embedding({NUM_TOKENS}, {EMBEDDING_DIM}, sparse=True) -> "
+        f"model: {num_params:,} parameters: Embedding({NUM_TOKENS}, {EMBEDDING_DIM}, sparse={sparse}) -> "
         f"Linear({NUM_FEATURES + EMBEDDING_DIM}, {HIDDEN}) -> ReLU -> Linear({HIDDEN}, {NUM_CLASSES}); "
         f"batch {BATCH_SIZE}, {args.steps} steps on {args.device}"
     )
 
 
 def mixed_precision(args: argparse.Namespace, device: torch.device) -> contextlib.AbstractContextManager:
-    """torch.autocast when loss scaling is on: bfloat16 on CPU, float16 on CUDA."""
+    """torch.autocast when loss scaling is on: float16 on CUDA, bfloat16 on CPU and XLA."""
     if args.loss_scale is None:
         return contextlib.nullcontext()
-    return torch.autocast(device.type, dtype=torch.bfloat16 if device.type == "cpu" else torch.float16)
+    return torch.autocast(device.type, dtype=torch.float16 if device.type == "cuda" else torch.bfloat16)
 
 
 def train(args: argparse.Namespace) -> None:
     if args.device == "cpu":
         torch.set_num_threads(1)  # the model is tiny: more threads only add synchronisation
-    device = torch.device(args.device)
+    device = xla_device() if args.device == "xla" else torch.device(args.device)
     rank, world = (dist.get_rank(), dist.get_world_size()) if args.cross_shard else (0, 1)
     if args.cross_shard and args.device == "cuda":
         device = torch.device("cuda", int(os.environ["LOCAL_RANK"]))
         torch.cuda.set_device(device)
     torch.manual_seed(args.seed)  # the same initial parameters on every rank
     train_set, held_out = (data.to(device) for data in make_datasets(args.seed))
-    model = Classifier().to(device)
+    model = Classifier(sparse=device.type != "xla").to(device)
     cls, hyperparameters = optimizer_settings(args.optimizer, args.lr)
     opt = cls(model.parameters(), **hyperparameters)
     if args.cross_shard:
@@ -262,6 +276,8 @@ def train(args: argparse.Namespace) -> None:
             opt.step()
         else:
             opt.minimize(loss, global_step=global_step)  # LossScaleOptimizer scales it itself
+        if device.type == "xla":
+            end_of_step()
         if step % log_every == 0 or step == args.steps:
             last_loss, accuracy = evaluate(model, train_set)
             print(f"step {step:>5}  training loss {last_loss:.4f}  training accuracy {accuracy:6.1%}")
@@ -275,6 +291,19 @@ def train(args: argparse.Namespace) -> None:
         f"done: {cls.__name__}, {args.steps} steps{counted} in {seconds:.2f} s: training loss "
         f"{first_loss:.4f} -> {last_loss:.4f}, held-out accuracy {held_out_accuracy:.1%}"
     )
+
+
+def xla_device() -> torch.device:
+    import torch_xla
+
+    return torch_xla.device()
+
+
+def end_of_step() -> None:
+    """Run the step's XLA graph now: one compiled program per step, reused from the second step on."""
+    import torch_xla
+
+    torch_xla.sync()
 
 
 def main(argv: list[str] | None = None) -> None:

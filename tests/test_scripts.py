@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import importlib.util
+import os
 import re
 import subprocess
 import sys
@@ -22,15 +24,30 @@ SUMMARY = re.compile(r"^done: .* training loss (\d+\.\d+) -> (\d+\.\d+), held-ou
     [("adam", "torch", []), ("ftrl", "tf", []), ("momentum", "torch", ["--loss-scale", "dynamic"])],
 )
 def test_train_script_reduces_loss(optimizer: str, style: str, extra: list[str]) -> None:
+    first, last = _train("--optimizer", optimizer, "--style", style, "--steps", "30", *extra)
+    assert last < 0.8 * first
+
+
+def _train(*args: str, timeout: float = 60) -> tuple[float, float]:
+    """Run scripts/train.py; (first, last) training loss from its summary line."""
     result = subprocess.run(
-        [sys.executable, str(TRAIN), "--optimizer", optimizer, "--style", style, "--steps", "30", *extra],
+        [sys.executable, str(TRAIN), *args],
         capture_output=True,
         text=True,
-        timeout=60,
+        timeout=timeout,
         check=False,
+        env={**os.environ, "PJRT_DEVICE": "CPU"},
     )
     assert result.returncode == 0, result.stderr
     match = SUMMARY.search(result.stdout)
     assert match, f"no summary line in:\n{result.stdout}"
-    first, last = float(match[1]), float(match[2])
-    assert last < 0.8 * first, result.stdout
+    return float(match[1]), float(match[2])
+
+
+@pytest.mark.skipif(importlib.util.find_spec("torch_xla") is None, reason="torch_xla is not installed")
+@pytest.mark.parametrize("style", ["torch", "tf"])
+def test_train_script_on_xla_prints_the_cpu_numbers(style: str) -> None:
+    """One XLA replica (dense embedding gradient) against the CPU, to the 4 printed digits."""
+    on_xla = _train("--device", "xla", "--style", style, "--steps", "30", timeout=300)
+    on_cpu = _train("--style", style, "--steps", "30")
+    assert on_xla == on_cpu
