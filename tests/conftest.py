@@ -11,6 +11,15 @@ from pathlib import Path
 
 import pytest
 
+# torch's autograd engine sizes its per-device queues at its first backward pass, counting the
+# devices each backend reports then: a backward on an XLA device after a CPU one fails an
+# internal assert unless torch_xla's runtime (and so its device count) was up first.
+if importlib.util.find_spec("torch_xla") is not None:
+    os.environ.setdefault("PJRT_DEVICE", "CPU")
+    import torch_xla
+
+    torch_xla.device()
+
 
 @pytest.fixture
 def run_tf_generator(tmp_path: Path) -> Callable[[Path], Path]:
