@@ -32,6 +32,7 @@ import math
 import os
 import time
 from dataclasses import dataclass
+from datetime import timedelta
 from typing import Any
 
 import torch
@@ -171,6 +172,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "CrossShardOptimizer averages the gradients (gloo on CPU, nccl on CUDA)",
     )
     parser.add_argument(
+        "--timeout",
+        type=float,
+        default=60.0,
+        help="with --cross-shard: seconds a rank waits for the others in a collective before it raises",
+    )
+    parser.add_argument(
         "--loss-scale",
         default="none",
         help="none, dynamic, or a fixed number >= 1: wrap the optimizer in LossScaleOptimizer and "
@@ -182,6 +189,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         parser.error(
             "--cross-shard runs under torchrun: torchrun --nproc-per-node 2 scripts/train.py --cross-shard"
         )
+    if not args.timeout > 0:
+        parser.error(f"--timeout must be a positive number of seconds, got {args.timeout}")
     if args.steps < 1:
         parser.error(f"--steps must be at least 1, got {args.steps}")
     if args.device == "cuda" and not torch.cuda.is_available():
@@ -311,7 +320,10 @@ def main(argv: list[str] | None = None) -> None:
     if not args.cross_shard:
         train(args)
         return
-    dist.init_process_group("nccl" if args.device == "cuda" else "gloo")  # torchrun's env://
+    # torchrun's env://. A rank that stops answering makes the others' next collective raise
+    # RuntimeError after --timeout seconds, instead of after the default 30 minutes (gloo).
+    backend = "nccl" if args.device == "cuda" else "gloo"
+    dist.init_process_group(backend, timeout=timedelta(seconds=args.timeout))
     try:
         # Every rank holds the same parameters, so only rank 0 prints.
         with contextlib.redirect_stdout(io.StringIO()) if dist.get_rank() else contextlib.nullcontext():

@@ -411,6 +411,89 @@ def check_invalid_arguments_before_any_collective(rank: int, world: int) -> None
     assert ok.item() == world
 
 
+def _group_still_usable(world: int) -> None:
+    ok = torch.ones(1)
+    dist.all_reduce(ok)
+    assert ok.item() == world
+
+
+def check_invalid_argument_on_one_rank(rank: int, world: int) -> None:
+    """One rank's bad argument: every rank raises the same error instead of waiting for it."""
+    last = world - 1
+    params = [nn.Parameter(torch.zeros(3))]
+    reduction = "max" if rank == last else "mean"
+    _expect_error(
+        ValueError,
+        [f"rank {last}", "'max'", "every rank raises"],
+        lambda: CrossShardOptimizer(tgo.AdamOptimizer(params), reduction),
+    )
+    groups = [[0, 0], list(range(1, world))] if rank == last else None
+    _expect_error(
+        ValueError,
+        [f"rank {last}", f"range({world})"],
+        lambda: CrossShardOptimizer(tgo.AdamOptimizer(params), group_assignment=groups),
+    )
+    cap = "big" if rank == 0 else None
+    _expect_error(
+        TypeError,
+        ["rank 0", "bucket_cap_mb"],
+        lambda: CrossShardOptimizer(tgo.AdamOptimizer(params), bucket_cap_mb=cap),
+    )
+    _group_still_usable(world)
+
+
+def _first_step_error(
+    rank: int,
+    world: int,
+    make: Callable[[list[Tensor]], torch.optim.Optimizer],
+    init: Tensor,
+    words: list[str],
+) -> None:
+    """Both driving styles raise ``words`` on every rank at the first step, and change nothing."""
+    for style in ("minimize", "step"):
+        w = nn.Parameter(init.clone())
+        opt = CrossShardOptimizer(make([w]))
+        try:
+            if style == "minimize":
+                opt.minimize((w * w).sum())
+            else:
+                (w * w).sum().backward()
+                opt.step()
+        except RuntimeError as error:
+            for word in words:
+                assert word in str(error), (style, word, str(error))
+        else:
+            raise AssertionError(f"{style}: expected a RuntimeError mentioning {words}")
+        assert torch.equal(w.detach(), init), style
+    _group_still_usable(world)
+
+
+def check_different_steps_across_ranks(rank: int, world: int) -> None:
+    """Ranks that would take different steps raise together at the first step, before any update."""
+    last = world - 1
+    same = torch.tensor([1.0, -2.0, 3.0])
+    lr = 0.2 if rank == last else 0.1
+    _first_step_error(
+        rank, world, lambda ps: tgo.AdamOptimizer(ps, learning_rate=lr), same, ["'lr' differs", "0.1", "0.2"]
+    )
+    cls = tgo.MomentumOptimizer if rank == last else tgo.GradientDescentOptimizer
+    _first_step_error(
+        rank,
+        world,
+        lambda ps: cls(ps, 0.1, momentum=0.9) if cls is tgo.MomentumOptimizer else cls(ps, 0.1),
+        same,
+        ["wrapped optimizer differs", "GradientDescentOptimizer", "MomentumOptimizer"],
+    )
+    init = same + (1e-7 if rank == last else 0.0)
+    _first_step_error(
+        rank,
+        world,
+        lambda ps: tgo.GradientDescentOptimizer(ps, 0.1),
+        init,
+        ["parameter 0", "different values", f"rank {last}", "same seed"],
+    )
+
+
 CHECKS: dict[str, Callable[[int, int], None]] = {
     name.removeprefix("check_"): fn for name, fn in globals().items() if name.startswith("check_")
 }
@@ -436,3 +519,32 @@ def run_checks(rank: int, world: int, port: int, names: list[str], results: Any)
                 results.put((name, rank, traceback.format_exc()))
     finally:
         dist.destroy_process_group()
+
+
+def frozen_peer(rank: int, world: int, port: int, timeout_s: float, results: Any) -> None:
+    """The last rank stops answering after construction; the others report how their step ended."""
+    import time
+
+    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    torch.set_num_threads(1)
+    dist.init_process_group(
+        "gloo",
+        init_method=f"tcp://127.0.0.1:{port}",
+        rank=rank,
+        world_size=world,
+        timeout=timedelta(seconds=timeout_s),
+    )
+    w = nn.Parameter(torch.ones(3))
+    opt = CrossShardOptimizer(tgo.GradientDescentOptimizer([w], 0.1))
+    if rank == world - 1:
+        time.sleep(3 * timeout_s)  # frozen: alive, holding its connections, never reaching the step
+        os._exit(0)
+    start = time.monotonic()
+    try:
+        opt.minimize((w * w).sum())
+        results.put((rank, None, time.monotonic() - start))
+    except Exception as error:
+        results.put((rank, f"{type(error).__name__}: {error}", time.monotonic() - start))
+    results.close()
+    results.join_thread()  # flushed before os._exit, which skips the teardown the peer would hang
+    os._exit(0)

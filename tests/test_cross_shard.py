@@ -37,6 +37,8 @@ TWO_RANK_CHECKS = [
     "accumulation",
     "state_dict_resume",
     "mismatched_parameters",
+    "invalid_argument_on_one_rank",
+    "different_steps_across_ranks",
 ]
 FOUR_RANK_CHECKS = [
     "subgroup_divisor",
@@ -44,6 +46,7 @@ FOUR_RANK_CHECKS = [
     "invalid_arguments_before_any_collective",
     "mismatched_group_assignment",
     "mismatched_parameters",
+    "invalid_argument_on_one_rank",
 ]
 # A hung collective fails the run here, instead of stalling it (gloo's own timeout is 30 s).
 DEADLINE_S = 120
@@ -90,6 +93,22 @@ def test_two_ranks(two_ranks, check):
 @pytest.mark.parametrize("check", FOUR_RANK_CHECKS)
 def test_four_ranks(four_ranks, check):
     _assert_every_rank_passed(four_ranks, check, 4)
+
+
+def test_a_frozen_peer_surfaces_as_an_error_after_the_group_timeout():
+    """A rank that stops answering: the others' step raises RuntimeError once the group's timeout passes."""
+    timeout_s = 3.0
+    messages = run_ranks(
+        workers.frozen_peer,
+        2,
+        lambda rank, port, results: (rank, 2, port, timeout_s, results),
+        expected=1,
+        deadline_s=60,
+    )
+    assert len(messages) == 1, "rank 0 did not report (hung past its process group's timeout)"
+    rank, error, seconds = messages[0]
+    assert rank == 0 and error is not None and error.startswith("RuntimeError"), error
+    assert timeout_s - 0.5 <= seconds <= timeout_s + 5, (seconds, error)
 
 
 # ---------------------------------------------------------------- one process, no process group

@@ -40,6 +40,7 @@ __all__ = [
     "XlaCollective",
     "check_group_assignment",
     "check_same_on_every_rank",
+    "check_same_step_on_every_rank",
     "find_collective",
 ]
 
@@ -99,6 +100,10 @@ class Collective(ABC):
     @abstractmethod
     def all_gather(self, tensor: Tensor) -> list[Tensor]:
         """Every group member's ``tensor`` (same shape everywhere), in group order."""
+
+    def to_host(self, tensor: Tensor) -> list[Any]:
+        """``tensor.tolist()``: the values on the host."""
+        return tensor.tolist()
 
 
 class DistributedCollective(Collective):
@@ -191,6 +196,14 @@ class XlaCollective(Collective):
         rows = gathered.cpu().view(len(lengths), -1)
         return [bytes(row[:n].tolist()) for row, n in zip(rows, lengths, strict=True)]
 
+    def to_host(self, tensor: Tensor) -> list[Any]:
+        # The step so far runs as one graph first: a read of a pending tensor would run the part
+        # it needs, and the end of the step that part again.
+        import torch_xla
+
+        torch_xla.sync()
+        return tensor.cpu().tolist()
+
     def join_groups(self, group_assignment: list[list[int]] | None) -> None:
         self._groups = group_assignment
         if group_assignment is not None:
@@ -266,24 +279,43 @@ def _describe_param(entry: list[Any]) -> str:
     return f"param group {group}, index {index}: shape {tuple(shape)}, {dtype} on {device}"
 
 
+_ARGUMENT_ERRORS = {"TypeError": TypeError, "ValueError": ValueError}
+
+
 def check_same_on_every_rank(
-    collective: Collective, settings: dict[str, Any], params_by_group: Sequence[Sequence[Tensor]]
+    collective: Collective,
+    settings: dict[str, Any],
+    params_by_group: Sequence[Sequence[Tensor]],
+    argument_error: Exception | None = None,
 ) -> None:
-    """Raise ``RuntimeError`` on every rank unless every rank has the same settings and parameters.
+    """Raise the same error on every rank unless every rank has valid, equal settings and parameters.
 
     One exchange of a small JSON description over the whole world. A mismatch
     would otherwise surface as a hang or, worse, as a silently wrong sum (gloo
     happily all-reduces a ``[4]`` tensor against a ``[3]`` one on some ranks).
-    Every rank compares every rank with rank 0, so all raise the same error.
+    Every rank compares every rank with rank 0, so all raise the same
+    ``RuntimeError``. ``argument_error`` is this rank's error for an invalid
+    argument, raised by every rank once the exchange has told them all: as it is
+    when every rank has the same one, else naming the ranks it came from.
     """
     entries = [
         [g, i, list(p.shape), str(p.dtype).removeprefix("torch."), p.device.type]
         for g, params in enumerate(params_by_group)
         for i, p in enumerate(params)
     ]
-    mine = {"settings": settings, "params": entries}
+    error = None if argument_error is None else [type(argument_error).__name__, str(argument_error)]
+    mine = {"settings": settings, "params": entries, "error": error}
     payload = json.dumps(mine, sort_keys=True).encode()
     everyone = [json.loads(b) for b in collective.all_gather_bytes(payload)]
+    errors = [(rank, other["error"]) for rank, other in enumerate(everyone) if other["error"] is not None]
+    if errors:
+        if argument_error is not None and len(errors) == len(everyone) and all(e == error for _, e in errors):
+            raise argument_error
+        (rank, (kind, message)), ranks = errors[0], [r for r, e in errors if e == errors[0][1]]
+        where = f"rank {rank}" if len(ranks) == 1 else f"ranks {ranks}"
+        raise _ARGUMENT_ERRORS.get(kind, ValueError)(
+            f"CrossShardOptimizer on {where} (of {len(everyone)}): {message}; every rank raises this error"
+        )
     first = everyone[0]
     for rank, other in enumerate(everyone[1:], start=1):
         for key in sorted(first["settings"]):
@@ -308,6 +340,80 @@ def check_same_on_every_rank(
                 f"{longer}, is parameter {min(len(ours), len(theirs))} "
                 f"({_describe_param(extra[min(len(ours), len(theirs))])})"
             )
+
+
+def _setting(value: Any) -> Any:
+    """A hyperparameter as JSON that is equal across ranks exactly when the values are."""
+    if isinstance(value, float):
+        return value.hex()
+    if value is None or isinstance(value, (bool, int, str)):
+        return value
+    if isinstance(value, Tensor):
+        return [_setting(float(v)) for v in value.detach().reshape(-1).tolist()]
+    if isinstance(value, (list, tuple)):
+        return [_setting(v) for v in value]
+    if callable(value):
+        return f"callable {getattr(value, '__qualname__', type(value).__qualname__)}"
+    return f"{type(value).__qualname__} {value!r}"
+
+
+_BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def _fingerprints(params: Sequence[Tensor]) -> Tensor:
+    """Two int64 checksums of each parameter's bits: their sum and the sum of their squares.
+
+    Integer sums wrap identically whatever the order of the reduction, so equal
+    parameters give equal checksums on every rank and every kind of device.
+    """
+    sums = []
+    for p in params:
+        bits = p.detach().reshape(-1).view(_BITS[p.element_size()]).to(torch.int64)
+        sums.append(torch.stack([bits.sum(), (bits * bits).sum()]))
+    return torch.stack(sums) if sums else torch.zeros(0, 2, dtype=torch.int64)
+
+
+def check_same_step_on_every_rank(
+    collective: Collective, optimizer_chain: list[str], param_groups: Sequence[dict[str, Any]]
+) -> None:
+    """Raise the same ``RuntimeError`` on every rank unless the ranks are about to take the same step.
+
+    Once, before the first step: the wrapped optimizers (class by class), every
+    param group's hyperparameters, and checksums of the parameters' values.
+    Ranks that differ in any of these would otherwise drift apart in silence.
+    """
+    params = [p for group in param_groups for p in group["params"]]
+    where = [(g, i) for g, group in enumerate(param_groups) for i in range(len(group["params"]))]
+    mine = {
+        "optimizer": optimizer_chain,
+        "groups": [{k: _setting(v) for k, v in group.items() if k != "params"} for group in param_groups],
+        "shown": [{k: repr(v) for k, v in group.items() if k != "params"} for group in param_groups],
+        "params": collective.to_host(_fingerprints(params)),
+    }
+    everyone = [json.loads(b) for b in collective.all_gather_bytes(json.dumps(mine, sort_keys=True).encode())]
+    first = everyone[0]
+    for rank, other in enumerate(everyone[1:], start=1):
+        if other["optimizer"] != first["optimizer"]:
+            raise RuntimeError(
+                f"CrossShardOptimizer: the wrapped optimizer differs across ranks: {first['optimizer']} on "
+                f"rank 0, {other['optimizer']} on rank {rank}; every rank must wrap the same optimizer"
+            )
+        for g, (ours, theirs) in enumerate(zip(first["groups"], other["groups"], strict=True)):
+            for key in sorted(set(ours) | set(theirs)):
+                if ours.get(key) != theirs.get(key):
+                    raise RuntimeError(
+                        f"CrossShardOptimizer: param group {g}'s {key!r} differs across ranks at the first "
+                        f"step: {first['shown'][g].get(key)} on rank 0, {other['shown'][g].get(key)} on rank "
+                        f"{rank}; every rank must use the same hyperparameters"
+                    )
+        for k, (ours, theirs) in enumerate(zip(first["params"], other["params"], strict=True)):
+            if ours != theirs:
+                g, i = where[k]
+                raise RuntimeError(
+                    f"CrossShardOptimizer: parameter {i} of param group {g} (shape {tuple(params[k].shape)}) "
+                    f"holds different values on rank 0 and rank {rank} at the first step; start every rank "
+                    "from the same parameters (the same seed, or a broadcast from rank 0)"
+                )
 
 
 @dataclass

@@ -20,6 +20,7 @@ from ._backend import (
     GradientReducer,
     check_group_assignment,
     check_same_on_every_rank,
+    check_same_step_on_every_rank,
     find_collective,
 )
 
@@ -33,6 +34,26 @@ _SPMD_NOTE = (
 )
 # TF's losses.Reduction.MEAN is "weighted_mean" and SUM is "weighted_sum".
 _REDUCTIONS = {"mean": "mean", "weighted_mean": "mean", "sum": "sum", "weighted_sum": "sum"}
+
+
+def _checked_reduction(reduction: Any) -> str:
+    if not isinstance(reduction, str):
+        raise TypeError(f"reduction must be a string, 'mean' or 'sum', got {type(reduction).__name__}")
+    if reduction not in _REDUCTIONS:
+        raise ValueError(
+            f"Invalid reduction value: {reduction!r}; expected 'mean' or 'sum' (or TF's "
+            "losses.Reduction.MEAN 'weighted_mean' / SUM 'weighted_sum')"
+        )
+    return _REDUCTIONS[reduction]
+
+
+def _checked_bucket_cap_mb(bucket_cap_mb: Any) -> float | None:
+    if bucket_cap_mb is None:
+        return None
+    if isinstance(bucket_cap_mb, bool) or not isinstance(bucket_cap_mb, (int, float)):
+        raise TypeError(f"bucket_cap_mb must be a number or None, got {type(bucket_cap_mb).__name__}")
+    check_range("bucket_cap_mb", bucket_cap_mb, 0.0, math.inf, low_inclusive=False)
+    return float(bucket_cap_mb)
 
 
 class CrossShardOptimizer(OptimizerWrapper):
@@ -92,12 +113,25 @@ class CrossShardOptimizer(OptimizerWrapper):
     TF's do; a parameter that is sparse on one replica and dense on another gets
     a dense sum.
 
-    Checks. ``reduction`` and ``group_assignment`` are checked before any
-    collective. Then, in one small exchange, every rank checks that all ranks
-    have the same settings and the same parameters (count, order, shapes,
-    dtypes) and raises the same ``RuntimeError`` if not, naming the rank and the
-    parameter. Construction and :meth:`add_param_group` are therefore
-    collective: every rank must call them. Subgroups are created once, here.
+    Checks. A mistake on one rank must not leave the others waiting in a
+    collective, nor let them drift apart. At construction, in one small
+    exchange, every rank learns whether any rank's arguments are invalid
+    (``reduction``, ``group_assignment``, ...) and whether all ranks have the
+    same settings and the same parameters (count, order, shapes, dtypes); if
+    not, every rank raises the same error, naming the rank and the argument or
+    parameter, before any collective that depends on them. Construction and
+    :meth:`add_param_group` are therefore collective: every rank must call
+    them. Subgroups are created once, here. Once more, before the first
+    update, every rank checks that all ranks wrap the same optimizer classes,
+    with the same hyperparameters, over the same parameter values (int64
+    checksums of their bits: one pass over the parameters, one small exchange
+    and one host read, once).
+
+    A rank that stops answering (a hung or stopped process) makes the others
+    wait in their next collective for the process group's ``timeout``
+    (``init_process_group(..., timeout=...)``: gloo's default is 30 minutes),
+    after which that collective raises ``RuntimeError`` on them. Pass a timeout
+    that fits your steps.
 
     Without a process group, or with a world size of 1, this is the wrapped
     optimizer plus a one-time warning (TF: "Assuming 1" shard).
@@ -168,29 +202,28 @@ class CrossShardOptimizer(OptimizerWrapper):
         bucket_cap_mb: float | None = None,
     ):
         super().__init__(opt)
-        if not isinstance(reduction, str):
-            raise TypeError(f"reduction must be a string, 'mean' or 'sum', got {type(reduction).__name__}")
-        if reduction not in _REDUCTIONS:
-            raise ValueError(
-                f"Invalid reduction value: {reduction!r}; expected 'mean' or 'sum' (or TF's "
-                "losses.Reduction.MEAN 'weighted_mean' / SUM 'weighted_sum')"
-            )
-        if not isinstance(name, str):
-            raise TypeError(f"name must be a string, got {type(name).__name__}: {name!r}")
-        if bucket_cap_mb is not None:
-            if isinstance(bucket_cap_mb, bool) or not isinstance(bucket_cap_mb, (int, float)):
-                raise TypeError(f"bucket_cap_mb must be a number or None, got {type(bucket_cap_mb).__name__}")
-            check_range("bucket_cap_mb", bucket_cap_mb, 0.0, math.inf, low_inclusive=False)
-            bucket_cap_mb = float(bucket_cap_mb)
-        self._reduction = _REDUCTIONS[reduction]
-        self.name = name
-        self._bucket_cap_mb = bucket_cap_mb
         collective = find_collective(self._all_params())
         self._num_shards = 1 if collective is None else collective.world_size
-        # TF validates group_assignment even outside a shard context, against 1 shard.
-        self._group_assignment = check_group_assignment(group_assignment, self._num_shards)
         self._collective: Collective | None = None
         self._reducer: GradientReducer | None = None
+        self._agreed_at_first_step = False
+        distributed = collective is not None and collective.world_size > 1 and not collective.spmd
+        try:
+            self._reduction = _checked_reduction(reduction)
+            if not isinstance(name, str):
+                raise TypeError(f"name must be a string, got {type(name).__name__}: {name!r}")
+            self._bucket_cap_mb = _checked_bucket_cap_mb(bucket_cap_mb)
+            # TF validates group_assignment even outside a shard context, against 1 shard.
+            self._group_assignment = check_group_assignment(group_assignment, self._num_shards)
+        except (TypeError, ValueError) as error:
+            if not distributed:
+                raise
+            # A mistake on one rank only must not leave the others waiting in a collective:
+            # every rank learns of it in the exchange below and raises the same error.
+            argument_error: Exception | None = error
+        else:
+            argument_error = None
+        self.name = name
         if collective is not None and collective.spmd:
             warnings.warn(_SPMD_NOTE, stacklevel=2)
             return
@@ -206,7 +239,7 @@ class CrossShardOptimizer(OptimizerWrapper):
             )
             return
         self._collective = collective
-        self._check_same_on_every_rank(self._optimizer.param_groups)
+        self._check_same_on_every_rank(self._optimizer.param_groups, argument_error)
         collective.join_groups(self._group_assignment)
         self._build_reducer()
 
@@ -242,15 +275,33 @@ class CrossShardOptimizer(OptimizerWrapper):
         )
 
     # ------------------------------------------------------------------ collective set-up
-    def _check_same_on_every_rank(self, param_groups: Sequence[Any]) -> None:
+    def _check_same_on_every_rank(
+        self, param_groups: Sequence[Any], argument_error: Exception | None = None
+    ) -> None:
         assert self._collective is not None
-        settings = {
-            "reduction": self._reduction,
-            "group_assignment": self._group_assignment,
-            "bucket_cap_mb": self._bucket_cap_mb,
-        }
+        settings = {}
+        if argument_error is None:
+            settings = {
+                "reduction": self._reduction,
+                "group_assignment": self._group_assignment,
+                "bucket_cap_mb": self._bucket_cap_mb,
+            }
         params_by_group = [group["params"] for group in param_groups]
-        check_same_on_every_rank(self._collective, settings, params_by_group)
+        check_same_on_every_rank(self._collective, settings, params_by_group, argument_error)
+
+    def _agree_at_first_step(self) -> None:
+        """Once, before the first update: every rank wraps the same optimizer, with the same
+        hyperparameters, over the same parameter values (see ``check_same_step_on_every_rank``)."""
+        if self._collective is None or self._agreed_at_first_step:
+            return
+        chain, inner = [], self._optimizer
+        while True:
+            chain.append(f"{type(inner).__module__}.{type(inner).__qualname__}")
+            if not isinstance(inner, OptimizerWrapper):
+                break
+            inner = inner.inner_optimizer
+        check_same_step_on_every_rank(self._collective, chain, self.param_groups)
+        self._agreed_at_first_step = True
 
     def _build_reducer(self) -> None:
         assert self._collective is not None
@@ -306,6 +357,7 @@ class CrossShardOptimizer(OptimizerWrapper):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        self._agree_at_first_step()
         if self._reducer is not None and not self._reducer.synced:
             self._reducer.reduce_grads(average=self._reduction == "mean")
         self._optimizer.step()
@@ -365,6 +417,7 @@ class CrossShardOptimizer(OptimizerWrapper):
         grads, listed = self._grads_by_param(pairs)
         if global_step is not None:
             _check_global_step(global_step)
+        self._agree_at_first_step()
         sums = self._reducer.reduce(grads, average=False)
         # A variable another replica has a gradient for is applied here too, so replicas stay equal.
         params = self._all_params()
