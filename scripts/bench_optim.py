@@ -4,18 +4,26 @@
     python scripts/bench_optim.py --workload 10M --repeats 50
     python scripts/bench_optim.py --optimizer adam rmsprop --device cuda
 
-For every TF optimizer, four optimizers step copies of the same parameters with
-the same gradients: ours with ``foreach=False`` (the reference for-loop) and
-``foreach=True``, and its ``torch.optim`` counterpart in both modes. Each runs
+For every TF optimizer, up to five optimizers step copies of the same parameters
+with the same gradients: ours with ``foreach=False`` (the reference for-loop) and
+``foreach=True``, and its ``torch.optim`` counterpart in both modes and, where
+torch has one for the device, with ``fused=True``. Each runs
 at TensorFlow's defaults (learning_rate 0.01 where TF has none; l1 = l2 = 0),
 the counterpart at the same values. AdagradDA, Ftrl, ProximalAdagrad and
 ProximalGradientDescent have no ``torch.optim`` counterpart: they are set beside
 the nearest one in cost (Adagrad or SGD), marked "≈" in the table.
 
-The four are timed in turn within each repeat, so that load from other processes
+Beside them, in the same repeats, a physical floor: one ``copy_`` over as many
+bytes as a single pass of the optimizer must move (every tensor it reads once,
+every tensor it writes once: Adam reads p, g, m, v and writes p, m, v, 7 × 4
+bytes per float32 parameter). The "floor %" column is floor / step time of the
+fastest of the others, the share of the memory bandwidth that step reaches.
+
+All are timed in turn within each repeat, so that load from other processes
 falls on all of them alike; the table gives the median milliseconds per step
-after the warm-up steps, and the ratios ours / torch (loop against loop, foreach
-against foreach). The output is a Markdown table.
+after the warm-up steps, the spread (interquartile range / median) of the
+foreach steps, and the ratios ours / torch (loop against loop, foreach against
+foreach, ours foreach against torch fused). The output is a Markdown table.
 """
 
 from __future__ import annotations
@@ -44,6 +52,13 @@ from torchgrad_compat.optim import (
 
 # A factory takes (params, foreach) and returns an optimizer over them.
 Factory = Callable[[list[Tensor], bool], torch.optim.Optimizer]
+# torch.optim's optimizers with a fused implementation, and on which devices (torch 2.13).
+FUSED_DEVICES: dict[str, tuple[str, ...]] = {
+    "SGD": ("cpu", "cuda"),
+    "SGD(momentum=0.9)": ("cpu", "cuda"),
+    "Adagrad": ("cpu",),
+    "Adam": ("cpu", "cuda"),
+}
 
 
 @dataclass(frozen=True)
@@ -53,6 +68,8 @@ class Case:
     ours: Factory
     counterpart: str
     theirs: Factory
+    # float32 tensors of the parameter's size that one pass must read, plus those it must write.
+    passes: int
     # False: torch.optim has no such optimizer and `theirs` is only a yardstick.
     equivalent: bool = True
 
@@ -63,55 +80,65 @@ CASES: dict[str, Case] = {
         lambda ps, fe: GradientDescentOptimizer(ps, LR, foreach=fe),
         "SGD",
         lambda ps, fe: torch.optim.SGD(ps, LR, foreach=fe),
+        passes=3,
     ),
     "momentum": Case(
         lambda ps, fe: MomentumOptimizer(ps, LR, 0.9, foreach=fe),
         "SGD(momentum=0.9)",
         lambda ps, fe: torch.optim.SGD(ps, LR, momentum=0.9, foreach=fe),
+        passes=5,
     ),
     "adagrad": Case(
         lambda ps, fe: AdagradOptimizer(ps, LR, foreach=fe),
         "Adagrad",
         lambda ps, fe: torch.optim.Adagrad(ps, LR, initial_accumulator_value=0.1, foreach=fe),
+        passes=5,
     ),
     "adagrad_da": Case(
         lambda ps, fe: AdagradDAOptimizer(ps, LR, foreach=fe),
         "Adagrad",
         lambda ps, fe: torch.optim.Adagrad(ps, LR, initial_accumulator_value=0.1, foreach=fe),
+        passes=7,
         equivalent=False,
     ),
     "adam": Case(
         lambda ps, fe: AdamOptimizer(ps, foreach=fe),
         "Adam",
         lambda ps, fe: torch.optim.Adam(ps, foreach=fe),
+        passes=7,
     ),
     "adadelta": Case(
         lambda ps, fe: AdadeltaOptimizer(ps, foreach=fe),
         "Adadelta",
         lambda ps, fe: torch.optim.Adadelta(ps, lr=0.001, rho=0.95, eps=1e-8, foreach=fe),
+        passes=7,
     ),
     # TF's RMSProp keeps its momentum buffer even at momentum=0; torch's skips it.
     "rmsprop": Case(
         lambda ps, fe: RMSPropOptimizer(ps, LR, foreach=fe),
         "RMSprop",
         lambda ps, fe: torch.optim.RMSprop(ps, LR, alpha=0.9, eps=1e-10, foreach=fe),
+        passes=7,
     ),
     "ftrl": Case(
         lambda ps, fe: FtrlOptimizer(ps, LR, foreach=fe),
         "Adagrad",
         lambda ps, fe: torch.optim.Adagrad(ps, LR, initial_accumulator_value=0.1, foreach=fe),
+        passes=7,
         equivalent=False,
     ),
     "proximal_adagrad": Case(
         lambda ps, fe: ProximalAdagradOptimizer(ps, LR, foreach=fe),
         "Adagrad",
         lambda ps, fe: torch.optim.Adagrad(ps, LR, initial_accumulator_value=0.1, foreach=fe),
+        passes=5,
         equivalent=False,
     ),
     "proximal_gradient_descent": Case(
         lambda ps, fe: ProximalGradientDescentOptimizer(ps, LR, foreach=fe),
         "SGD",
         lambda ps, fe: torch.optim.SGD(ps, LR, foreach=fe),
+        passes=3,
         equivalent=False,
     ),
 }
@@ -126,11 +153,17 @@ TARGET = 1.2
 class Row:
     name: str
     counterpart: str
-    # Median ms per step: ours loop, ours foreach, torch loop, torch foreach.
+    # Median ms per step: ours loop, ours foreach, torch loop, torch foreach, torch fused (or None),
+    # and the copy over the bytes of one pass.
     ours_loop: float
     ours_foreach: float
     torch_loop: float
     torch_foreach: float
+    torch_fused: float | None
+    floor: float
+    # Interquartile range / median of ours foreach and of torch foreach.
+    ours_spread: float
+    torch_spread: float
 
 
 def make_tensors(workload: str, device: torch.device, seed: int) -> tuple[list[Tensor], list[Tensor]]:
@@ -152,20 +185,34 @@ def make_optimizer(
 
 
 def time_steps(
-    optimizers: list[torch.optim.Optimizer], warmup: int, repeats: int, device: torch.device
-) -> list[float]:
-    """Median ms per ``step()`` of each optimizer, stepping them in turn in every repeat."""
+    steps: list[Callable[[], object]], warmup: int, repeats: int, device: torch.device
+) -> list[list[float]]:
+    """Milliseconds of each call of each ``steps[i]`` after ``warmup``, calling them in turn every repeat."""
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
-    times: list[list[float]] = [[] for _ in optimizers]
+    times: list[list[float]] = [[] for _ in steps]
     for repeat in range(warmup + repeats):
-        for opt, samples in zip(optimizers, times, strict=True):
+        for step, samples in zip(steps, times, strict=True):
             sync()
             start = time.perf_counter()
-            opt.step()
+            step()
             sync()
             if repeat >= warmup:
                 samples.append((time.perf_counter() - start) * 1e3)
-    return [statistics.median(samples) for samples in times]
+    return times
+
+
+def spread(samples: list[float]) -> float:
+    """Interquartile range over the median."""
+    q1, _, q3 = statistics.quantiles(samples, n=4)
+    return (q3 - q1) / statistics.median(samples)
+
+
+def floor_copy(case: Case, params: list[Tensor]) -> Callable[[], object]:
+    """One copy_ that moves the bytes of one pass of ``case``: it reads and writes ``passes / 2`` tensors."""
+    numel = sum(p.numel() for p in params)
+    src = torch.empty(numel * case.passes // 2, dtype=params[0].dtype, device=params[0].device).normal_()
+    dst = torch.empty_like(src)
+    return lambda: dst.copy_(src)
 
 
 def bench(name: str, params: list[Tensor], grads: list[Tensor], args: argparse.Namespace) -> Row:
@@ -175,11 +222,28 @@ def bench(name: str, params: list[Tensor], grads: list[Tensor], args: argparse.N
         for factory in (case.ours, case.theirs)
         for foreach in (False, True)
     ]
-    ours_loop, ours_foreach, torch_loop, torch_foreach = time_steps(
-        optimizers, args.warmup, args.repeats, args.device
-    )
+    fused = case.equivalent and args.device.type in FUSED_DEVICES.get(case.counterpart, ())
+    if fused:
+        optimizers.append(make_optimizer(case.theirs, params, grads, False))
+        for group in optimizers[-1].param_groups:
+            group["foreach"], group["fused"] = False, True
+    steps = [opt.step for opt in optimizers] + [floor_copy(case, params)]
+    times = time_steps(steps, args.warmup, args.repeats, args.device)
+    medians = [statistics.median(samples) for samples in times]
+    ours_loop, ours_foreach, torch_loop, torch_foreach = medians[:4]
     counterpart = case.counterpart if case.equivalent else f"≈ {case.counterpart}"
-    return Row(name, counterpart, ours_loop, ours_foreach, torch_loop, torch_foreach)
+    return Row(
+        name,
+        counterpart,
+        ours_loop,
+        ours_foreach,
+        torch_loop,
+        torch_foreach,
+        torch_fused=medians[4] if fused else None,
+        floor=medians[-1],
+        ours_spread=spread(times[1]),
+        torch_spread=spread(times[3]),
+    )
 
 
 def format_table(rows: list[Row]) -> str:
@@ -189,14 +253,20 @@ def format_table(rows: list[Row]) -> str:
 
     lines = [
         "| optimizer | torch.optim | ours loop | torch loop | loop ratio "
-        "| ours foreach | torch foreach | foreach ratio |",
-        "|---|---|---:|---:|---:|---:|---:|---:|",
+        "| ours foreach (spread) | torch foreach (spread) | foreach ratio | torch fused "
+        "| ours foreach / torch fused | copy floor | floor % |",
+        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for r in rows:
+        fused = "—" if r.torch_fused is None else f"{r.torch_fused:.2f}"
+        vs_fused = "—" if r.torch_fused is None else ratio(r.ours_foreach, r.torch_fused, flag=False)
+        best = min(t for t in (r.ours_foreach, r.torch_foreach, r.torch_fused) if t is not None)
         lines.append(
             f"| {r.name} | {r.counterpart} | {r.ours_loop:.2f} | {r.torch_loop:.2f} "
-            f"| {ratio(r.ours_loop, r.torch_loop, flag=False)} | {r.ours_foreach:.2f} "
-            f"| {r.torch_foreach:.2f} | {ratio(r.ours_foreach, r.torch_foreach, flag=True)} |"
+            f"| {ratio(r.ours_loop, r.torch_loop, flag=False)} | {r.ours_foreach:.2f} ({r.ours_spread:.0%}) "
+            f"| {r.torch_foreach:.2f} ({r.torch_spread:.0%}) "
+            f"| {ratio(r.ours_foreach, r.torch_foreach, flag=True)} | {fused} | {vs_fused} "
+            f"| {r.floor:.2f} | {r.floor / best:.0%} |"
         )
     return "\n".join(lines)
 
@@ -239,7 +309,9 @@ def main(argv: list[str] | None = None) -> None:
             f"\n{workload} float32 parameters in {count} tensors of {size:,} on {args.device.type} "
             f"({where}), torch {torch.__version__}: median ms per step over {args.repeats} steps "
             f"after {args.warmup} warm-up steps.\nRatio = ours / torch; bold: foreach ratio above "
-            f"{TARGET}x; ≈: torch.optim has no equivalent, the nearest in cost is shown.\n"
+            f"{TARGET}x; ≈: torch.optim has no equivalent, the nearest in cost is shown; —: torch "
+            "has no fused version here. Floor: one copy_ of the bytes one pass moves; floor %: floor "
+            "/ the fastest step.\n"
         )
         print(format_table(rows))
 
