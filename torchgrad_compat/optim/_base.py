@@ -33,7 +33,16 @@ from torch.optim.optimizer import _default_to_fused_or_foreach
 
 from ..gradients import check_aggregation_method, gradients
 
-__all__ = ["Flag", "Hyper", "HyperScalars", "Optimizer", "check_range", "compute_gradients", "pick_impl"]
+__all__ = [
+    "Flag",
+    "Hyper",
+    "HyperScalars",
+    "Optimizer",
+    "check_range",
+    "compute_gradients",
+    "float32_tensor",
+    "pick_impl",
+]
 
 _VALID_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 _HALF_DTYPES = (torch.float16, torch.bfloat16)
@@ -120,6 +129,18 @@ def _to_float(arg: str, value: Any) -> float:
     return float(value)
 
 
+def float32_tensor(value: float | Tensor, device: torch.device) -> Tensor:
+    """``value`` as a 0-d float32 tensor on ``device``.
+
+    A Python number goes through ``torch.tensor``, not ``torch.as_tensor``: under
+    ``torch.compile`` the latter specialises the graph on the number's value, so
+    an LR scheduler changing a float ``lr`` would recompile at every step.
+    """
+    if isinstance(value, Tensor):
+        return value.to(device=device, dtype=torch.float32)
+    return torch.tensor(value, dtype=torch.float32, device=device)
+
+
 class HyperScalars:
     """The hyperparameters of one param group as 0-d tensors of one dtype and device.
 
@@ -148,8 +169,7 @@ class HyperScalars:
 
     def tensor(self, value: float | Tensor) -> Tensor:
         """``value`` rounded to float32, then cast to this dtype and device."""
-        t = torch.as_tensor(value, dtype=torch.float32, device=self.device)
-        return t.to(self.dtype)
+        return float32_tensor(value, self.device).to(self.dtype)
 
     @property
     def one(self) -> Tensor:

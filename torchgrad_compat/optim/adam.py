@@ -8,7 +8,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from ._base import Hyper, HyperScalars, Optimizer, pick_impl
+from ._base import Hyper, HyperScalars, Optimizer, float32_tensor, pick_impl
 
 __all__ = ["AdamOptimizer", "adam"]
 
@@ -133,7 +133,7 @@ class AdamOptimizer(Optimizer):
     def _finish(self, group, non_slot, values):
         for name, key in (("beta1_power", "beta1"), ("beta2_power", "beta2")):
             power = non_slot[name]
-            beta = torch.as_tensor(values[key], dtype=torch.float32, device=power.device)
+            beta = float32_tensor(values[key], power.device)
             non_slot[name] = power * beta
 
 
