@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 from optim_specs import SPECS, OptimSpec
+from torch._dynamo.utils import counters
 
 DEFAULT_CONFIGS = [(spec, next(iter(spec.configs))) for spec in SPECS]
 DEFAULT_IDS = [spec.name.removesuffix("Optimizer") for spec, _ in DEFAULT_CONFIGS]
@@ -25,6 +26,7 @@ class CountingBackend:
 @pytest.fixture(autouse=True)
 def _fresh_dynamo():
     torch._dynamo.reset()
+    counters.clear()
     yield
     torch._dynamo.reset()
 
@@ -40,21 +42,28 @@ def _grads(params: list[torch.Tensor], step: int) -> list[torch.Tensor]:
 
 
 @pytest.mark.parametrize(("spec", "cid"), DEFAULT_CONFIGS, ids=DEFAULT_IDS)
-def test_float_lr_under_a_scheduler_compiles_at_most_twice(spec: OptimSpec, cid: str):
-    # torch.optim's bar: the first graph specialises on the float lr, the second
-    # (after dynamo marks it dynamic) serves every later value. Past
-    # recompile_limit dynamo would fall back to eager without an error.
-    backend = CountingBackend()
-    params = _params()
-    opt = spec.make(params, cid)
-    sched = torch.optim.lr_scheduler.ExponentialLR(opt, gamma=0.9)
-    step = torch.compile(opt.step, backend=backend)
+def test_compiled_step_under_a_scheduler_compiles_at_most_twice_and_tracks_eager(spec: OptimSpec, cid: str):
+    # torch.optim's bar, with inductor (whose handling of float inputs differs
+    # from a plain graph capture): the first graph specialises on the float lr,
+    # the second serves every later value. Past recompile_limit dynamo would run
+    # eagerly without an error.
+    compiled_params, eager_params = _params(), _params()
+    compiled_opt, eager_opt = spec.make(compiled_params, cid), spec.make(eager_params, cid)
+    scheds = [torch.optim.lr_scheduler.ExponentialLR(o, gamma=0.9) for o in (compiled_opt, eager_opt)]
+    step = torch.compile(compiled_opt.step)
     for i in range(STEPS):
-        for p, g in zip(params, _grads(params, i), strict=True):
-            p.grad = g
+        for params in (compiled_params, eager_params):
+            for p, g in zip(params, _grads(params, i), strict=True):
+                p.grad = g
         step()
-        sched.step()
-    assert backend.graphs <= 2
+        eager_opt.step()
+        for s in scheds:
+            s.step()
+    assert counters["stats"]["unique_graphs"] <= 2
+    # Inductor fuses the update into one kernel and may round differently
+    # (measured over these 20 steps: 0 for most, 6e-8 Adadelta, 1.2e-7 Ftrl).
+    for c, e in zip(compiled_params, eager_params, strict=True):
+        torch.testing.assert_close(c, e, rtol=1e-6, atol=1e-6)
 
 
 @pytest.mark.parametrize(("spec", "cid"), DEFAULT_CONFIGS, ids=DEFAULT_IDS)

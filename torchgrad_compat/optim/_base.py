@@ -132,13 +132,18 @@ def _to_float(arg: str, value: Any) -> float:
 def float32_tensor(value: float | Tensor, device: torch.device) -> Tensor:
     """``value`` as a 0-d float32 tensor on ``device``.
 
-    A Python number goes through ``torch.tensor``, not ``torch.as_tensor``: under
-    ``torch.compile`` the latter specialises the graph on the number's value, so
-    an LR scheduler changing a float ``lr`` would recompile at every step.
+    A Python number enters as the factor of a multiplication, not through
+    ``torch.as_tensor``/``torch.tensor``: under ``torch.compile`` those specialise
+    the graph on the number's value, so an LR scheduler changing a float ``lr``
+    would recompile at every step until dynamo gives up and runs eagerly. A
+    scalar operand is what dynamo (and inductor) keep symbolic, as for
+    ``torch.optim``'s float ``lr``. ``1 * value`` rounds ``value`` to float32
+    once, as a float32 conversion does; the final cast covers inductor, which
+    passes the scalar in as a float64 tensor.
     """
     if isinstance(value, Tensor):
         return value.to(device=device, dtype=torch.float32)
-    return torch.tensor(value, dtype=torch.float32, device=device)
+    return torch.ones((), dtype=torch.float32, device=device).mul(value).to(torch.float32)
 
 
 class HyperScalars:
