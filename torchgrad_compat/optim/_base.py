@@ -41,6 +41,7 @@ __all__ = [
     "check_range",
     "compute_gradients",
     "float32_tensor",
+    "hooked_update",
     "pick_impl",
 ]
 
@@ -120,11 +121,11 @@ def _to_float(arg: str, value: Any) -> float:
             f"got {type(value).__name__}: {value!r}"
         )
     if isinstance(value, Tensor):
-        if value.numel() != 1 or value.dim() != 0 or not value.is_floating_point():
-            raise TypeError(
-                f"{arg} given as a tensor must be 0-d and floating point, "
-                f"got shape {tuple(value.shape)} and dtype {value.dtype}"
-            )
+        if not value.is_floating_point():
+            raise TypeError(f"{arg} given as a tensor must be floating point, got dtype {value.dtype}")
+        if value.dim() != 0:
+            # torch.optim raises ValueError for a tensor lr that is not one element.
+            raise ValueError(f"Invalid {arg} value: {value!r}; expected a 0-d tensor")
         return float(value)
     return float(value)
 
@@ -192,6 +193,26 @@ class HyperScalars:
         return not isinstance(value, Tensor) and value == 0
 
 
+def hooked_update(apply_gradients: Callable[..., None]) -> Callable[..., None]:
+    """Wrap an ``apply_gradients`` as torch wraps ``step``: step pre/post hooks around it.
+
+    ``register_step_pre_hook``/``register_step_post_hook`` (and the global ones)
+    then fire on every update path: ``step``, ``apply_gradients`` and
+    ``minimize`` (through ``apply_gradients``), once per update. The hooks get
+    ``apply_gradients``'s arguments. The call also marks the optimizer as
+    stepped for torch's LR schedulers, which otherwise warn that the scheduler
+    stepped first.
+    """
+    hooked = torch.optim.Optimizer.profile_hook_step(apply_gradients)
+
+    @functools.wraps(apply_gradients)
+    def wrapper(self: torch.optim.Optimizer, *args: Any, **kwargs: Any) -> None:
+        self._opt_called = True  # type: ignore[attr-defined]  # read by torch.optim.lr_scheduler
+        return hooked(self, *args, **kwargs)
+
+    return wrapper
+
+
 class Optimizer(torch.optim.Optimizer):
     """Base class of the TF v1 optimizers; a ``torch.optim.Optimizer``.
 
@@ -241,7 +262,7 @@ class Optimizer(torch.optim.Optimizer):
         """Validate the group's hyperparameters and parameters, then add it (as torch does)."""
         if not isinstance(param_group, dict):
             raise TypeError(f"param_group must be a dict, got {type(param_group).__name__}")
-        group = dict(param_group)
+        group = self._rename_tf_keys(dict(param_group))
         params = group["params"]
         params = [params] if isinstance(params, Tensor) else list(params)
         for name, default in self.defaults.items():
@@ -265,6 +286,32 @@ class Optimizer(torch.optim.Optimizer):
         device = added["params"][0].device if added["params"] else torch.device("cpu")
         self._non_slot.append(self._init_non_slot(added, device))
 
+    def _rename_tf_keys(self, group: dict[str, Any]) -> dict[str, Any]:
+        """Move hyperparameters given under TF's argument names to their keys (``learning_rate`` -> ``lr``).
+
+        A group dict is what users copy from TF code; a TF name torch does not
+        know would otherwise sit unused beside the default.
+        """
+        for spec in self._hypers:
+            if spec.arg == spec.key or spec.arg not in group:
+                continue
+            if spec.key in group:
+                raise ValueError(
+                    f"param group gives both {spec.arg!r} (TensorFlow's name) and {spec.key!r} "
+                    f"(its key in the group): {group[spec.arg]!r} and {group[spec.key]!r}; give one"
+                )
+            group[spec.key] = group.pop(spec.arg)
+        return group
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        # torch's optimizers fill flags missing from an older state_dict with their
+        # defaults here (load_state_dict ends in __setstate__); so do these.
+        super().__setstate__(state)
+        flags = ["foreach", *(spec.key for spec in self._hypers if isinstance(spec, Flag))]
+        for group in self.param_groups:
+            for key in flags:
+                group.setdefault(key, self.defaults[key])
+
     # ------------------------------------------------------------------ hooks
     def _slot_names_for(self, group: dict[str, Any]) -> tuple[str, ...]:
         """Slot names used by ``group``; RMSProp overrides it (``mg`` only when centered)."""
@@ -272,6 +319,10 @@ class Optimizer(torch.optim.Optimizer):
 
     def _init_slots(self, group: dict[str, Any], p: Tensor) -> dict[str, Tensor]:
         return {}
+
+    def _sync_aliases(self) -> None:
+        """Reconcile group keys kept under two names (Adam's ``betas``), before an update or a save."""
+        return None
 
     def _init_non_slot(self, group: dict[str, Any], device: torch.device) -> dict[str, Tensor]:
         return {}
@@ -357,6 +408,7 @@ class Optimizer(torch.optim.Optimizer):
             grad_loss=grad_loss,
         )
 
+    @hooked_update
     def apply_gradients(
         self,
         grads_and_vars: Iterable[tuple[Tensor | None, Tensor]],
@@ -441,6 +493,7 @@ class Optimizer(torch.optim.Optimizer):
     # ------------------------------------------------------------------ checkpoints
     def state_dict(self) -> dict[str, Any]:
         """torch's ``state_dict`` plus ``"non_slot_state"``: one dict of tensors per param group."""
+        self._sync_aliases()
         sd = super().state_dict()
         sd["non_slot_state"] = [dict(ns) for ns in self._non_slot]
         return sd
@@ -559,6 +612,7 @@ class Optimizer(torch.optim.Optimizer):
     @torch.no_grad()
     def _apply(self, grouped: dict[int, list[tuple[Tensor, Tensor]]]) -> None:
         """Update each group from its checked ``(grad, param)`` pairs, then run ``_finish`` once per group."""
+        self._sync_aliases()
         dense: dict[int, list[tuple[Tensor, Tensor]]] = {}
         sparse: dict[int, list[tuple[Tensor, Tensor]]] = {}
         for gi, pairs in grouped.items():
@@ -569,7 +623,10 @@ class Optimizer(torch.optim.Optimizer):
             non_slot = self._non_slot[gi]
             for _, p in dense.get(gi, []) + sparse.get(gi, []):
                 if not self.state.get(p):
-                    self.state[p] = self._init_slots(group, p)
+                    # An optimizer without slots leaves `state` empty, as torch's SGD does.
+                    slots = self._init_slots(group, p)
+                    if slots:
+                        self.state[p] = slots
             buckets: dict[tuple[torch.device, torch.dtype], list[tuple[Tensor, Tensor]]] = {}
             for g, p in dense.get(gi, []):
                 buckets.setdefault((p.device, p.dtype), []).append((g, p))
@@ -578,7 +635,7 @@ class Optimizer(torch.optim.Optimizer):
                 for chunk in _chunks(bucket):
                     params = [p for _, p in chunk]
                     grads = [g for g, _ in chunk]
-                    slots = [self.state[p] for p in params]
+                    slots = [self.state.get(p, {}) for p in params]
                     with _working_precision(params, grads, slots) as (ps, gs, ss):
                         self._apply_dense(group, ps, gs, ss, non_slot, hyper)
             for g, p in sparse.get(gi, []):
@@ -588,7 +645,7 @@ class Optimizer(torch.optim.Optimizer):
                 else:
                     indices, grad_values = g._indices()[0], g._values()
                 hyper = HyperScalars(values, _compute_dtype(p.dtype), p.device)
-                with _working_precision([p], [grad_values], [self.state[p]]) as (ps, gs, ss):
+                with _working_precision([p], [grad_values], [self.state.get(p, {})]) as (ps, gs, ss):
                     self._apply_sparse(group, ps[0], indices, gs[0], ss[0], non_slot, hyper)
             self._finish(group, non_slot, values)
 
