@@ -276,3 +276,48 @@ def test_grad_scaler_steps_as_without_scaling(spec: OptimSpec, cid: str):
         plain.step()
     for s, p in zip(scaled_params, plain_params, strict=True):
         assert torch.equal(s, p)
+
+
+@by_spec
+def test_state_dict_is_deterministic_for_equal_parameters(spec: OptimSpec, cid: str):
+    # torch's test_state_dict_deterministic: equal but not identical parameters,
+    # driven alike, give equal state dicts.
+    a_params, b_params = _params(), _params()
+    a, b = spec.make(a_params, cid), spec.make(b_params, cid)
+    _lockstep(a, a_params, b, b_params, 3)
+    torch.testing.assert_close(a.state_dict(), b.state_dict(), rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("foreach", [False, True], ids=["reference", "foreach"])
+@by_spec
+def test_non_contiguous_parameters_step_as_contiguous_ones(spec: OptimSpec, cid: str, foreach: bool):
+    gen = torch.Generator().manual_seed(3)
+    strided = [
+        torch.randn(4, 3, 2, generator=gen)[..., 0].requires_grad_(),
+        torch.randn(3, 5, generator=gen).t().requires_grad_(),
+    ]
+    assert not any(p.is_contiguous() for p in strided)
+    dense = [p.detach().contiguous().requires_grad_() for p in strided]
+    a, b = spec.make(strided, cid, foreach=foreach), spec.make(dense, cid, foreach=foreach)
+    _lockstep(a, strided, b, dense, 3)
+
+
+@by_spec
+def test_one_group_of_mixed_dtypes(spec: OptimSpec, cid: str):
+    # torch's test_mixed_device_dtype, on one device: each dtype is updated in
+    # its own precision whichever path runs.
+    def make_params() -> list[torch.Tensor]:
+        return [_params(torch.float32)[0], _params(torch.float64)[1], _params(torch.bfloat16)[0]]
+
+    results = []
+    for foreach in (False, True):
+        params = make_params()
+        opt = spec.make(params, cid, foreach=foreach)
+        for step in range(3):
+            _set_grads(params, step)
+            opt.step()
+        results.append(params)
+    for ref, fe in zip(*results, strict=True):
+        assert torch.equal(ref, fe)
+    for p, fresh in zip(results[0], make_params(), strict=True):
+        assert p.dtype == fresh.dtype
