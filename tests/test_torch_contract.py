@@ -22,6 +22,7 @@ from torch.optim.optimizer import register_optimizer_step_post_hook, register_op
 
 from torchgrad_compat.amp import LossScaleOptimizer
 from torchgrad_compat.optim._base import Flag
+from torchgrad_compat.xla import CrossShardOptimizer
 
 DEFAULT_CONFIGS = [(spec, next(iter(spec.configs))) for spec in SPECS]
 DEFAULT_IDS = [spec.name.removesuffix("Optimizer") for spec, _ in DEFAULT_CONFIGS]
@@ -78,10 +79,16 @@ def test_step_hooks_fire_once_on_every_update_path(spec: OptimSpec, cid: str):
     assert calls == ["global pre", "pre", "post", "global post"] * 3
 
 
-def test_step_hooks_fire_on_a_wrapper_and_on_what_it_wraps():
+@pytest.mark.parametrize(
+    "wrap",
+    [lambda opt: LossScaleOptimizer(opt, loss_scale=1.0), CrossShardOptimizer],
+    ids=["LossScaleOptimizer", "CrossShardOptimizer"],
+)
+@pytest.mark.filterwarnings("ignore:CrossShardOptimizer. no torch.distributed process group")
+def test_step_hooks_fire_on_a_wrapper_and_on_what_it_wraps(wrap):
     params = _params()
     inner = SPECS[0].make(params)
-    wrapper = LossScaleOptimizer(inner, loss_scale=1.0)
+    wrapper = wrap(inner)
     calls: list[str] = []
     inner.register_step_post_hook(lambda o, args, kwargs: calls.append("inner"))
     wrapper.register_step_post_hook(lambda o, args, kwargs: calls.append("wrapper"))
