@@ -55,7 +55,7 @@ def _lr_cases() -> tuple[tuple[str, Any, type[Exception]], ...]:
         ("learning_rate", -INF, ValueError),
         ("learning_rate", -0.1, ValueError),
         ("learning_rate", torch.tensor(-1.0), ValueError),
-        ("learning_rate", torch.tensor([0.1, 0.2]), TypeError),
+        ("learning_rate", torch.tensor([0.1, 0.2]), ValueError),
         ("learning_rate", "0.1", TypeError),
         ("learning_rate", True, TypeError),
     )

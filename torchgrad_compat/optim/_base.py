@@ -33,7 +33,17 @@ from torch.optim.optimizer import _default_to_fused_or_foreach
 
 from ..gradients import check_aggregation_method, gradients
 
-__all__ = ["Flag", "Hyper", "HyperScalars", "Optimizer", "check_range", "compute_gradients", "pick_impl"]
+__all__ = [
+    "Flag",
+    "Hyper",
+    "HyperScalars",
+    "Optimizer",
+    "check_range",
+    "compute_gradients",
+    "float32_tensor",
+    "hooked_update",
+    "pick_impl",
+]
 
 _VALID_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 _HALF_DTYPES = (torch.float16, torch.bfloat16)
@@ -111,13 +121,30 @@ def _to_float(arg: str, value: Any) -> float:
             f"got {type(value).__name__}: {value!r}"
         )
     if isinstance(value, Tensor):
-        if value.numel() != 1 or value.dim() != 0 or not value.is_floating_point():
-            raise TypeError(
-                f"{arg} given as a tensor must be 0-d and floating point, "
-                f"got shape {tuple(value.shape)} and dtype {value.dtype}"
-            )
+        if not value.is_floating_point():
+            raise TypeError(f"{arg} given as a tensor must be floating point, got dtype {value.dtype}")
+        if value.dim() != 0:
+            # torch.optim raises ValueError for a tensor lr that is not one element.
+            raise ValueError(f"Invalid {arg} value: {value!r}; expected a 0-d tensor")
         return float(value)
     return float(value)
+
+
+def float32_tensor(value: float | Tensor, device: torch.device) -> Tensor:
+    """``value`` as a 0-d float32 tensor on ``device``.
+
+    A Python number enters as the factor of a multiplication, not through
+    ``torch.as_tensor``/``torch.tensor``: under ``torch.compile`` those specialise
+    the graph on the number's value, so an LR scheduler changing a float ``lr``
+    would recompile at every step until dynamo gives up and runs eagerly. A
+    scalar operand is what dynamo (and inductor) keep symbolic, as for
+    ``torch.optim``'s float ``lr``. ``1 * value`` rounds ``value`` to float32
+    once, as a float32 conversion does; the final cast covers inductor, which
+    passes the scalar in as a float64 tensor.
+    """
+    if isinstance(value, Tensor):
+        return value.to(device=device, dtype=torch.float32)
+    return torch.ones((), dtype=torch.float32, device=device).mul(value).to(torch.float32)
 
 
 class HyperScalars:
@@ -148,8 +175,7 @@ class HyperScalars:
 
     def tensor(self, value: float | Tensor) -> Tensor:
         """``value`` rounded to float32, then cast to this dtype and device."""
-        t = torch.as_tensor(value, dtype=torch.float32, device=self.device)
-        return t.to(self.dtype)
+        return float32_tensor(value, self.device).to(self.dtype)
 
     @property
     def one(self) -> Tensor:
@@ -165,6 +191,26 @@ class HyperScalars:
         """Whether ``name`` is the Python number 0; a tensor value is not read on the host to find out."""
         value = self._values[name]
         return not isinstance(value, Tensor) and value == 0
+
+
+def hooked_update(apply_gradients: Callable[..., None]) -> Callable[..., None]:
+    """Wrap an ``apply_gradients`` as torch wraps ``step``: step pre/post hooks around it.
+
+    ``register_step_pre_hook``/``register_step_post_hook`` (and the global ones)
+    then fire on every update path: ``step``, ``apply_gradients`` and
+    ``minimize`` (through ``apply_gradients``), once per update. The hooks get
+    ``apply_gradients``'s arguments. The call also marks the optimizer as
+    stepped for torch's LR schedulers, which otherwise warn that the scheduler
+    stepped first.
+    """
+    hooked = torch.optim.Optimizer.profile_hook_step(apply_gradients)
+
+    @functools.wraps(apply_gradients)
+    def wrapper(self: torch.optim.Optimizer, *args: Any, **kwargs: Any) -> None:
+        self._opt_called = True  # type: ignore[attr-defined]  # read by torch.optim.lr_scheduler
+        return hooked(self, *args, **kwargs)
+
+    return wrapper
 
 
 class Optimizer(torch.optim.Optimizer):
@@ -216,7 +262,7 @@ class Optimizer(torch.optim.Optimizer):
         """Validate the group's hyperparameters and parameters, then add it (as torch does)."""
         if not isinstance(param_group, dict):
             raise TypeError(f"param_group must be a dict, got {type(param_group).__name__}")
-        group = dict(param_group)
+        group = self._rename_tf_keys(dict(param_group))
         params = group["params"]
         params = [params] if isinstance(params, Tensor) else list(params)
         for name, default in self.defaults.items():
@@ -240,6 +286,32 @@ class Optimizer(torch.optim.Optimizer):
         device = added["params"][0].device if added["params"] else torch.device("cpu")
         self._non_slot.append(self._init_non_slot(added, device))
 
+    def _rename_tf_keys(self, group: dict[str, Any]) -> dict[str, Any]:
+        """Move hyperparameters given under TF's argument names to their keys (``learning_rate`` -> ``lr``).
+
+        A group dict is what users copy from TF code; a TF name torch does not
+        know would otherwise sit unused beside the default.
+        """
+        for spec in self._hypers:
+            if spec.arg == spec.key or spec.arg not in group:
+                continue
+            if spec.key in group:
+                raise ValueError(
+                    f"param group gives both {spec.arg!r} (TensorFlow's name) and {spec.key!r} "
+                    f"(its key in the group): {group[spec.arg]!r} and {group[spec.key]!r}; give one"
+                )
+            group[spec.key] = group.pop(spec.arg)
+        return group
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        # torch's optimizers fill flags missing from an older state_dict with their
+        # defaults here (load_state_dict ends in __setstate__); so do these.
+        super().__setstate__(state)
+        flags = ["foreach", *(spec.key for spec in self._hypers if isinstance(spec, Flag))]
+        for group in self.param_groups:
+            for key in flags:
+                group.setdefault(key, self.defaults[key])
+
     # ------------------------------------------------------------------ hooks
     def _slot_names_for(self, group: dict[str, Any]) -> tuple[str, ...]:
         """Slot names used by ``group``; RMSProp overrides it (``mg`` only when centered)."""
@@ -247,6 +319,10 @@ class Optimizer(torch.optim.Optimizer):
 
     def _init_slots(self, group: dict[str, Any], p: Tensor) -> dict[str, Tensor]:
         return {}
+
+    def _sync_aliases(self) -> None:
+        """Reconcile group keys kept under two names (Adam's ``betas``), before an update or a save."""
+        return None
 
     def _init_non_slot(self, group: dict[str, Any], device: torch.device) -> dict[str, Tensor]:
         return {}
@@ -332,6 +408,7 @@ class Optimizer(torch.optim.Optimizer):
             grad_loss=grad_loss,
         )
 
+    @hooked_update
     def apply_gradients(
         self,
         grads_and_vars: Iterable[tuple[Tensor | None, Tensor]],
@@ -416,6 +493,7 @@ class Optimizer(torch.optim.Optimizer):
     # ------------------------------------------------------------------ checkpoints
     def state_dict(self) -> dict[str, Any]:
         """torch's ``state_dict`` plus ``"non_slot_state"``: one dict of tensors per param group."""
+        self._sync_aliases()
         sd = super().state_dict()
         sd["non_slot_state"] = [dict(ns) for ns in self._non_slot]
         return sd
@@ -534,6 +612,7 @@ class Optimizer(torch.optim.Optimizer):
     @torch.no_grad()
     def _apply(self, grouped: dict[int, list[tuple[Tensor, Tensor]]]) -> None:
         """Update each group from its checked ``(grad, param)`` pairs, then run ``_finish`` once per group."""
+        self._sync_aliases()
         dense: dict[int, list[tuple[Tensor, Tensor]]] = {}
         sparse: dict[int, list[tuple[Tensor, Tensor]]] = {}
         for gi, pairs in grouped.items():
@@ -544,7 +623,10 @@ class Optimizer(torch.optim.Optimizer):
             non_slot = self._non_slot[gi]
             for _, p in dense.get(gi, []) + sparse.get(gi, []):
                 if not self.state.get(p):
-                    self.state[p] = self._init_slots(group, p)
+                    # An optimizer without slots leaves `state` empty, as torch's SGD does.
+                    slots = self._init_slots(group, p)
+                    if slots:
+                        self.state[p] = slots
             buckets: dict[tuple[torch.device, torch.dtype], list[tuple[Tensor, Tensor]]] = {}
             for g, p in dense.get(gi, []):
                 buckets.setdefault((p.device, p.dtype), []).append((g, p))
@@ -553,7 +635,7 @@ class Optimizer(torch.optim.Optimizer):
                 for chunk in _chunks(bucket):
                     params = [p for _, p in chunk]
                     grads = [g for g, _ in chunk]
-                    slots = [self.state[p] for p in params]
+                    slots = [self.state.get(p, {}) for p in params]
                     with _working_precision(params, grads, slots) as (ps, gs, ss):
                         self._apply_dense(group, ps, gs, ss, non_slot, hyper)
             for g, p in sparse.get(gi, []):
@@ -563,7 +645,7 @@ class Optimizer(torch.optim.Optimizer):
                 else:
                     indices, grad_values = g._indices()[0], g._values()
                 hyper = HyperScalars(values, _compute_dtype(p.dtype), p.device)
-                with _working_precision([p], [grad_values], [self.state[p]]) as (ps, gs, ss):
+                with _working_precision([p], [grad_values], [self.state.get(p, {})]) as (ps, gs, ss):
                     self._apply_sparse(group, ps[0], indices, gs[0], ss[0], non_slot, hyper)
             self._finish(group, non_slot, values)
 

@@ -9,7 +9,7 @@ from typing import Any, ClassVar
 import torch
 from torch import Tensor
 
-from ._base import _check_global_step, _check_grad, _describe, compute_gradients
+from ._base import _check_global_step, _check_grad, _describe, compute_gradients, hooked_update
 
 __all__ = ["OptimizerWrapper"]
 
@@ -43,6 +43,13 @@ class OptimizerWrapper(torch.optim.Optimizer):
     GATE_GRAPH: ClassVar[int] = 2
 
     _pickled_attributes: ClassVar[tuple[str, ...]] = ("_optimizer",)
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        # A wrapper's apply_gradients fires the wrapper's step hooks, as its step()
+        # does once torch has patched it (see hooked_update).
+        if "apply_gradients" in cls.__dict__:
+            cls.apply_gradients = hooked_update(cls.__dict__["apply_gradients"])  # type: ignore[method-assign]
 
     def __init__(self, optimizer: torch.optim.Optimizer):
         if not isinstance(optimizer, torch.optim.Optimizer):

@@ -8,7 +8,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from ._base import Hyper, HyperScalars, Optimizer, pick_impl
+from ._base import Hyper, HyperScalars, Optimizer, float32_tensor, pick_impl
 
 __all__ = ["AdamOptimizer", "adam"]
 
@@ -34,6 +34,16 @@ class AdamOptimizer(Optimizer):
     ``beta1`` and ``beta2``: one pair per param group (TF keeps one per
     optimizer), advanced once per call whether or not a parameter had a
     gradient, and saved in ``state_dict()["non_slot_state"]``.
+
+    Each param group also holds torch's ``betas = (beta1, beta2)``, so that
+    schedulers which cycle momentum (``OneCycleLR``, ``CyclicLR``) find and
+    cycle ``beta1``. The two spellings are reconciled before every update and
+    every ``state_dict()``: whichever was changed since the last update is
+    copied to the other (changing both is a ``ValueError``); a group dict may
+    give ``betas`` in place of ``beta1``/``beta2``. ``beta1_power`` starts at
+    the ``beta1`` of construction, so a scheduler that sets ``beta1`` before
+    the first step (OneCycleLR) starts from that power, as a TF variable
+    initialised from the constructor's ``beta1`` would.
 
     Sparse gradients (row-sparse COO) follow TF's sparse rule, which is *not*
     lazy: duplicate rows are summed, then ``m`` and ``v`` of every row decay
@@ -94,10 +104,55 @@ class AdamOptimizer(Optimizer):
             "lr": learning_rate,
             "beta1": beta1,
             "beta2": beta2,
+            "betas": (beta1, beta2),
             "epsilon": epsilon,
             "foreach": foreach,
         }
+        # ``betas`` of each group as last reconciled with ``beta1``/``beta2`` (see _sync_aliases).
+        self._synced_betas: list[tuple[Any, Any]] = []
         super().__init__(params, defaults)
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        """Add a group; torch's ``betas=(beta1, beta2)`` is accepted in place of TF's two keys."""
+        group = dict(param_group)
+        if "betas" in group:
+            if "beta1" in group or "beta2" in group:
+                raise ValueError(
+                    f"param group gives both 'betas' ({group['betas']!r}) and 'beta1'/'beta2'; give one"
+                )
+            group["beta1"], group["beta2"] = _check_betas(group.pop("betas"))
+        super().add_param_group(group)
+        added = self.param_groups[-1]
+        added["betas"] = (added["beta1"], added["beta2"])
+        self._synced_betas.append(added["betas"])
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        # A loaded group's beta1/beta2 are the truth (state_dict() saves them reconciled).
+        super().__setstate__(state)
+        for group in self.param_groups:
+            group["betas"] = (group["beta1"], group["beta2"])
+        self._synced_betas = [group["betas"] for group in self.param_groups]
+
+    def _sync_aliases(self) -> None:
+        # Schedulers that cycle momentum (OneCycleLR, CyclicLR) write torch's
+        # group["betas"]; TF code writes group["beta1"]. Whichever changed since the
+        # last reconciliation is copied to the other.
+        for i, group in enumerate(self.param_groups):
+            synced = self._synced_betas[i]
+            betas, tf_betas = group["betas"], (group["beta1"], group["beta2"])
+            betas_moved, tf_moved = not _same(betas, synced), not _same(tf_betas, synced)
+            if betas_moved and tf_moved:
+                raise ValueError(
+                    f"param group {i} changed both 'betas' (to {betas!r}) and 'beta1'/'beta2' (to "
+                    f"{tf_betas!r}) since the last step; change one of them"
+                )
+            if betas_moved:
+                group["beta1"], group["beta2"] = _check_betas(betas)
+            elif tf_moved:
+                for spec in self._hypers[1:3]:
+                    spec.check(group[spec.key])
+                group["betas"] = tf_betas
+            self._synced_betas[i] = group["betas"]
 
     def _init_slots(self, group, p):
         return {
@@ -133,8 +188,25 @@ class AdamOptimizer(Optimizer):
     def _finish(self, group, non_slot, values):
         for name, key in (("beta1_power", "beta1"), ("beta2_power", "beta2")):
             power = non_slot[name]
-            beta = torch.as_tensor(values[key], dtype=torch.float32, device=power.device)
+            beta = float32_tensor(values[key], power.device)
             non_slot[name] = power * beta
+
+
+def _check_betas(betas: Any) -> tuple[Any, Any]:
+    if not (isinstance(betas, (tuple, list)) and len(betas) == 2):
+        raise TypeError(f"betas must be a pair (beta1, beta2), got {type(betas).__name__}: {betas!r}")
+    for spec, value in zip(AdamOptimizer._hypers[1:3], betas, strict=True):
+        spec.check(value)
+    return betas[0], betas[1]
+
+
+def _same(a: tuple[Any, Any], b: tuple[Any, Any]) -> bool:
+    """Whether two pairs of hyperparameters hold the same values (tensors and callables: the same objects)."""
+    return all(x is y or (_is_number(x) and _is_number(y) and x == y) for x, y in zip(a, b, strict=True))
+
+
+def _is_number(x: Any) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool)
 
 
 def _alpha(non_slot: dict[str, Tensor], hyper: HyperScalars) -> Tensor:

@@ -9,7 +9,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from ._base import Hyper, HyperScalars, Optimizer, pick_impl
+from ._base import Hyper, HyperScalars, Optimizer, float32_tensor, pick_impl
 
 __all__ = ["FtrlOptimizer", "ftrl"]
 
@@ -187,7 +187,7 @@ def _adjusted_l2(hyper: HyperScalars) -> Tensor:
     """TF's effective L2, ``l2 + beta / (2 * max(lr, 1e-36))``, in float32, then in the parameter dtype."""
 
     def f32(name: str) -> Tensor:
-        return torch.as_tensor(hyper.value(name), dtype=torch.float32, device=hyper.device)
+        return float32_tensor(hyper.value(name), hyper.device)
 
     lr = torch.clamp_min(f32("lr"), 1e-36)
     return (f32("l2_regularization_strength") + f32("beta") / (2.0 * lr)).to(hyper.dtype)

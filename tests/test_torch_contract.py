@@ -1,0 +1,331 @@
+"""What torch.optim's generic optimizer tests ask of any optimizer, over the table in optim_specs.py.
+
+The checks follow pytorch's test/test_optim.py and
+torch/testing/_internal/common_optimizers.py: param groups, zero_grad, hooks on
+every update path, state_dict round trips (deepcopy, torch.save with
+weights_only, older dicts without flags, dtype casting), GradScaler. Documented
+exceptions, where TF's math or dtypes differ, are tested as such: complex
+parameters are rejected (TF's optimizers have no complex kernels), and the
+optimizers without slots keep no per-parameter state.
+"""
+
+from __future__ import annotations
+
+import copy
+import io
+from typing import Any
+
+import pytest
+import torch
+from optim_specs import SPECS, OptimSpec
+from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
+
+from torchgrad_compat.amp import LossScaleOptimizer
+from torchgrad_compat.optim._base import Flag
+from torchgrad_compat.xla import CrossShardOptimizer
+
+DEFAULT_CONFIGS = [(spec, next(iter(spec.configs))) for spec in SPECS]
+DEFAULT_IDS = [spec.name.removesuffix("Optimizer") for spec, _ in DEFAULT_CONFIGS]
+by_spec = pytest.mark.parametrize(("spec", "cid"), DEFAULT_CONFIGS, ids=DEFAULT_IDS)
+
+
+def _params(dtype: torch.dtype = torch.float32, seed: int = 0) -> list[torch.Tensor]:
+    gen = torch.Generator().manual_seed(seed)
+    return [
+        torch.randn(s, generator=gen, dtype=torch.float64).to(dtype).requires_grad_() for s in ((4, 3), (5,))
+    ]
+
+
+def _grads(params: list[torch.Tensor], step: int) -> list[torch.Tensor]:
+    gen = torch.Generator().manual_seed(1000 + step)
+    return [torch.randn(p.shape, generator=gen, dtype=torch.float64).to(p.dtype) for p in params]
+
+
+def _set_grads(params: list[torch.Tensor], step: int) -> None:
+    for p, g in zip(params, _grads(params, step), strict=True):
+        p.grad = g
+
+
+def _lockstep(a: Any, a_params: list[torch.Tensor], b: Any, b_params: list[torch.Tensor], steps: int) -> None:
+    for step in range(steps):
+        _set_grads(a_params, step)
+        _set_grads(b_params, step)
+        a.step()
+        b.step()
+    for x, y in zip(a_params, b_params, strict=True):
+        assert torch.equal(x, y)
+
+
+# ---------------------------------------------------------------- hooks
+@by_spec
+def test_step_hooks_fire_once_on_every_update_path(spec: OptimSpec, cid: str):
+    params = _params()
+    opt = spec.make(params, cid)
+    calls: list[str] = []
+    opt.register_step_pre_hook(lambda o, args, kwargs: calls.append("pre"))
+    opt.register_step_post_hook(lambda o, args, kwargs: calls.append("post"))
+    global_handles = [
+        register_optimizer_step_pre_hook(lambda o, args, kwargs: calls.append("global pre")),
+        register_optimizer_step_post_hook(lambda o, args, kwargs: calls.append("global post")),
+    ]
+    try:
+        _set_grads(params, 0)
+        opt.step()
+        opt.apply_gradients(list(zip(_grads(params, 1), params, strict=True)))
+        opt.minimize(lambda: sum((p * p).sum() for p in params))
+    finally:
+        for handle in global_handles:
+            handle.remove()
+    assert calls == ["global pre", "pre", "post", "global post"] * 3
+
+
+@pytest.mark.parametrize(
+    "wrap",
+    [lambda opt: LossScaleOptimizer(opt, loss_scale=1.0), CrossShardOptimizer],
+    ids=["LossScaleOptimizer", "CrossShardOptimizer"],
+)
+@pytest.mark.filterwarnings("ignore:CrossShardOptimizer. no torch.distributed process group")
+def test_step_hooks_fire_on_a_wrapper_and_on_what_it_wraps(wrap):
+    params = _params()
+    inner = SPECS[0].make(params)
+    wrapper = wrap(inner)
+    calls: list[str] = []
+    inner.register_step_post_hook(lambda o, args, kwargs: calls.append("inner"))
+    wrapper.register_step_post_hook(lambda o, args, kwargs: calls.append("wrapper"))
+    wrapper.apply_gradients(list(zip(_grads(params, 0), params, strict=True)))
+    wrapper.minimize(lambda: sum((p * p).sum() for p in params))
+    assert calls == ["inner", "wrapper"] * 2
+
+
+@by_spec
+def test_a_pre_hook_may_replace_apply_gradients_arguments(spec: OptimSpec, cid: str):
+    # torch's contract for step pre hooks: returning (args, kwargs) replaces them.
+    params, expected_params = _params(), _params()
+    opt, expected = spec.make(params, cid), spec.make(expected_params, cid)
+    replacement = list(zip(_grads(params, 5), params, strict=True))
+    opt.register_step_pre_hook(lambda o, args, kwargs: ((args[0], replacement), kwargs))
+    opt.apply_gradients(list(zip(_grads(params, 0), params, strict=True)))
+    expected.apply_gradients(list(zip(_grads(expected_params, 5), expected_params, strict=True)))
+    for p, e in zip(params, expected_params, strict=True):
+        assert torch.equal(p, e)
+
+
+# ---------------------------------------------------------------- param groups
+@by_spec
+def test_tf_argument_names_in_a_group_dict_map_to_their_keys(spec: OptimSpec, cid: str):
+    params = _params()
+    config = spec.configs[cid]
+    opt = spec.make([{"params": params[:1], "learning_rate": 0.5}, {"params": params[1:]}], cid)
+    assert opt.param_groups[0]["lr"] == 0.5
+    assert "learning_rate" not in opt.param_groups[0]
+    assert opt.param_groups[1]["lr"] == config.get("learning_rate", opt.defaults["lr"])
+    with pytest.raises(ValueError, match="both 'learning_rate'"):
+        spec.make([{"params": params, "learning_rate": 0.5, "lr": 0.5}], cid)
+    with pytest.raises(ValueError, match="Invalid learning_rate value: -1"):
+        spec.make([{"params": params, "learning_rate": -1.0}], cid)
+
+
+def test_tf_names_of_regularization_strengths_map_to_their_keys():
+    spec = next(s for s in SPECS if s.name == "ProximalGradientDescentOptimizer")
+    params = _params()
+    named, keyed = _params(), _params()
+    a = spec.make([{"params": named, "l1_regularization_strength": 0.01}], "lr0.1")
+    b = spec.make(keyed, "lr0.1", l1_regularization_strength=0.01)
+    assert a.param_groups[0]["l1"] == 0.01
+    _lockstep(a, named, b, keyed, 3)
+    assert params  # the group dict did not consume the caller's list
+
+
+def test_a_parameter_in_two_groups_is_rejected():
+    params = _params()
+    with pytest.raises(ValueError, match="more than one parameter group"):
+        SPECS[0].make([{"params": params}, {"params": params[:1]}])
+
+
+@by_spec
+def test_complex_parameters_are_rejected(spec: OptimSpec, cid: str):
+    # An exception to torch's generic tests (which step complex params as
+    # view_as_real): TF's v1 optimizers have no complex kernels to reproduce.
+    with pytest.raises(ValueError, match="complex"):
+        spec.make([torch.zeros(2, dtype=torch.complex64, requires_grad=True)], cid)
+
+
+# ---------------------------------------------------------------- state
+@by_spec
+def test_state_holds_slots_only_when_the_optimizer_has_slots(spec: OptimSpec, cid: str):
+    params = _params()
+    opt = spec.make(params, cid)
+    _set_grads(params, 0)
+    opt.step()
+    if spec.slots_for(cid):
+        assert set(opt.state) == set(params)
+    else:
+        assert len(opt.state) == 0  # as torch's SGD without momentum: no {p: {}} entries
+
+
+@by_spec
+def test_zero_grad(spec: OptimSpec, cid: str):
+    params = _params()
+    opt = spec.make(params, cid)
+    _set_grads(params, 0)
+    opt.zero_grad(set_to_none=False)
+    assert all(torch.equal(p.grad, torch.zeros_like(p)) for p in params)
+    opt.zero_grad()
+    assert all(p.grad is None for p in params)
+
+
+@by_spec
+def test_deepcopy_of_a_state_dict_loads_and_continues_in_lockstep(spec: OptimSpec, cid: str):
+    params = _params()
+    opt = spec.make(params, cid)
+    for step in range(3):
+        _set_grads(params, step)
+        opt.step()
+    resumed_params = [p.detach().clone().requires_grad_() for p in params]
+    resumed = spec.make(resumed_params, cid)
+    resumed.load_state_dict(copy.deepcopy(opt.state_dict()))
+    _lockstep(opt, params, resumed, resumed_params, 3)
+
+
+@by_spec
+def test_state_dict_round_trips_through_weights_only_load(spec: OptimSpec, cid: str):
+    params = _params()
+    opt = spec.make(params, cid)
+    _set_grads(params, 0)
+    opt.step()
+    buffer = io.BytesIO()
+    torch.save(opt.state_dict(), buffer)
+    buffer.seek(0)
+    loaded = torch.load(buffer, weights_only=True)
+    resumed_params = [p.detach().clone().requires_grad_() for p in params]
+    resumed = spec.make(resumed_params, cid)
+    resumed.load_state_dict(loaded)
+    _lockstep(opt, params, resumed, resumed_params, 2)
+
+
+@by_spec
+def test_an_older_state_dict_without_flags_loads_and_steps(spec: OptimSpec, cid: str):
+    # torch's test_can_load_older_state_dict: flags added in later versions are
+    # filled with their defaults when missing.
+    params = _params()
+    opt = spec.make(params, cid)
+    _set_grads(params, 0)
+    opt.step()
+    old = copy.deepcopy(opt.state_dict())
+    # Adam's betas alias joined the group later than TF's beta1/beta2.
+    flags = {"foreach", "betas", *(s.key for s in spec.cls._hypers if isinstance(s, Flag))}
+    for group in old["param_groups"]:
+        for flag in flags:
+            group.pop(flag, None)
+    resumed_params = [p.detach().clone().requires_grad_() for p in params]
+    resumed = spec.make(resumed_params, cid)
+    resumed.load_state_dict(old)
+    assert all(flag in group for group in resumed.param_groups for flag in flags & set(opt.param_groups[0]))
+    _lockstep(opt, params, resumed, resumed_params, 2)
+
+
+@by_spec
+def test_load_state_dict_casts_slots_to_the_parameters_dtype(spec: OptimSpec, cid: str):
+    # torch's _process_value_according_to_param_policy: slots follow the
+    # parameter's dtype; TF's float32 non-slot state (beta powers) stays float32.
+    params = _params(torch.float32)
+    opt = spec.make(params, cid)
+    _set_grads(params, 0)
+    opt.step()
+    wide_params = [p.detach().double().requires_grad_() for p in params]
+    wide = spec.make(wide_params, cid)
+    wide.load_state_dict(opt.state_dict())
+    for p, w in zip(params, wide_params, strict=True):
+        for name, slot in wide.state.get(w, {}).items():
+            assert slot.dtype == torch.float64, name
+            assert torch.equal(slot, opt.state[p][name].double())
+    _set_grads(wide_params, 1)
+    wide.step()
+    assert all(torch.isfinite(p).all() for p in wide_params)
+
+
+@by_spec
+def test_deepcopy_copies_all_public_attributes(spec: OptimSpec, cid: str):
+    opt = spec.make(_params(), cid)
+    clone = copy.deepcopy(opt)
+    public = {k for k in opt.__dict__ if not k.startswith("_")}
+    assert public == {k for k in clone.__dict__ if not k.startswith("_")}
+    assert repr(clone) == repr(opt)
+
+
+@by_spec
+def test_state_dict_and_load_state_dict_hooks_fire(spec: OptimSpec, cid: str):
+    params = _params()
+    opt = spec.make(params, cid)
+    calls: list[str] = []
+    opt.register_state_dict_pre_hook(lambda o: calls.append("sd pre"))
+    opt.register_state_dict_post_hook(lambda o, sd: calls.append("sd post"))
+    opt.register_load_state_dict_pre_hook(lambda o, sd: calls.append("load pre"))
+    opt.register_load_state_dict_post_hook(lambda o: calls.append("load post"))
+    opt.load_state_dict(opt.state_dict())
+    assert calls == ["sd pre", "sd post", "load pre", "load post"]
+
+
+# ---------------------------------------------------------------- with torch's tools
+@by_spec
+def test_grad_scaler_steps_as_without_scaling(spec: OptimSpec, cid: str):
+    # GradScaler unscales by a power of two (exact), so the update is bitwise
+    # the unscaled one. torch's test_grad_scaling_autocast, on CPU.
+    scaled_params, plain_params = _params(), _params()
+    scaled, plain = spec.make(scaled_params, cid), spec.make(plain_params, cid)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10)
+    for step in range(3):
+        loss = sum((p * g).sum() for p, g in zip(scaled_params, _grads(scaled_params, step), strict=True))
+        scaler.scale(loss).backward()
+        scaler.step(scaled)
+        scaled.zero_grad()
+        scaler.update()
+        _set_grads(plain_params, step)
+        plain.step()
+    for s, p in zip(scaled_params, plain_params, strict=True):
+        assert torch.equal(s, p)
+
+
+@by_spec
+def test_state_dict_is_deterministic_for_equal_parameters(spec: OptimSpec, cid: str):
+    # torch's test_state_dict_deterministic: equal but not identical parameters,
+    # driven alike, give equal state dicts.
+    a_params, b_params = _params(), _params()
+    a, b = spec.make(a_params, cid), spec.make(b_params, cid)
+    _lockstep(a, a_params, b, b_params, 3)
+    torch.testing.assert_close(a.state_dict(), b.state_dict(), rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("foreach", [False, True], ids=["reference", "foreach"])
+@by_spec
+def test_non_contiguous_parameters_step_as_contiguous_ones(spec: OptimSpec, cid: str, foreach: bool):
+    gen = torch.Generator().manual_seed(3)
+    strided = [
+        torch.randn(4, 3, 2, generator=gen)[..., 0].requires_grad_(),
+        torch.randn(3, 5, generator=gen).t().requires_grad_(),
+    ]
+    assert not any(p.is_contiguous() for p in strided)
+    dense = [p.detach().contiguous().requires_grad_() for p in strided]
+    a, b = spec.make(strided, cid, foreach=foreach), spec.make(dense, cid, foreach=foreach)
+    _lockstep(a, strided, b, dense, 3)
+
+
+@by_spec
+def test_one_group_of_mixed_dtypes(spec: OptimSpec, cid: str):
+    # torch's test_mixed_device_dtype, on one device: each dtype is updated in
+    # its own precision whichever path runs.
+    def make_params() -> list[torch.Tensor]:
+        return [_params(torch.float32)[0], _params(torch.float64)[1], _params(torch.bfloat16)[0]]
+
+    results = []
+    for foreach in (False, True):
+        params = make_params()
+        opt = spec.make(params, cid, foreach=foreach)
+        for step in range(3):
+            _set_grads(params, step)
+            opt.step()
+        results.append(params)
+    for ref, fe in zip(*results, strict=True):
+        assert torch.equal(ref, fe)
+    for p, fresh in zip(results[0], make_params(), strict=True):
+        assert p.dtype == fresh.dtype
