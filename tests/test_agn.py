@@ -29,6 +29,7 @@ from _procs import free_port, run_ranks
 
 import torchgrad_compat.optim as tgo
 from torchgrad_compat.agn import (
+    AGNCheckpointWarning,
     AGNError,
     AGNOptimizer,
     AGNServerUnavailableError,
@@ -341,7 +342,13 @@ def test_checkpoint_is_weights_only_and_a_restored_server_continues_bitwise(tmp_
     for seq, push in enumerate(pushes[:5], 1):
         first.push("w", inc, seq, push)
     saved = torch.load(path, weights_only=True)
-    assert saved["global_step"] == 4 and sorted(saved) == ["center", "format", "global_step", "optimizer"]
+    assert saved["global_step"] == 4 and sorted(saved) == [
+        "center",
+        "format",
+        "global_step",
+        "optimizer",
+        "sha256",
+    ]
 
     second = ParameterServer([torch.zeros(5)], adam, 1, restore_from=path)
     inc, center, step = second.join("w", 1, [((5,), torch.float32)])
@@ -490,3 +497,95 @@ def test_train_agn_script_under_torchrun(tmp_path):
     before, after = (float(a) for a in re.findall(r"center accuracy (?:before|after) (\d\.\d+)", output))
     assert after > before + 0.3, output
     assert re.search(r"worker1: step 60 .* global_step \d+", output) and "worker2: step 60" in output, output
+
+
+# ---------------------------------------------------------------------- faults: checkpoints and poison
+def test_checkpoint_path_in_a_missing_directory_is_refused_at_start(tmp_path):
+    path = tmp_path / "missing" / "ps.pt"
+    with pytest.raises(ValueError, match=r"Invalid checkpoint_path value: .*missing.*; expected a file in"):
+        ParameterServer([torch.zeros(1)], _gd, 1, checkpoint_path=path, checkpoint_every=1)
+
+
+def test_a_failed_save_neither_fails_nor_repeats_the_push(tmp_path):
+    """The directory vanishes mid-run: every push is applied exactly once, the server warns and retries."""
+    folder = tmp_path / "ckpt"
+    folder.mkdir()
+    server, host = _local([torch.zeros(1)], _gd, 1, checkpoint_path=folder / "ps.pt", checkpoint_every=1)
+    p = torch.zeros(1)
+    opt = AGNOptimizer(_gd([p]), 1, 1, server=host.endpoint("w"))
+    opt.apply_gradients([(torch.ones(1), p)])
+    (folder / "ps.pt").unlink()
+    folder.rmdir()
+    with pytest.warns(AGNCheckpointWarning, match=r"could not save its checkpoint .*ps.pt at update 2"):
+        opt.apply_gradients([(torch.ones(1), p)])
+    with pytest.warns(AGNCheckpointWarning, match="at update 3"):
+        opt.apply_gradients([(torch.ones(1), p)])
+    assert server.global_step == 3 and server.center[0].item() == -3.0 and p.item() == -3.0
+    folder.mkdir()
+    opt.apply_gradients([(torch.ones(1), p)])
+    assert torch.load(folder / "ps.pt", weights_only=True)["global_step"] == 4
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), -float("inf")], ids=["nan", "inf", "-inf"])
+def test_non_finite_pushes_are_refused_and_leave_the_center_unchanged(bad):
+    server, host = _local([torch.zeros(3)], lambda ps: torch.optim.Adam(ps, lr=0.1), 2)
+    p = torch.zeros(3)
+    opt = AGNOptimizer(_gd([p]), 2, 1, server=host.endpoint("w"))
+    with pytest.raises(ValueError, match=r"push from worker 'w': gradient 0 has non-finite values"):
+        opt.apply_gradients([(torch.tensor([1.0, bad, 1.0]), p)])
+    assert server.global_step == 0 and torch.equal(server.center[0], torch.zeros(3))
+    assert server.optimizer.state_dict()["state"] == {}
+
+
+def _saved_checkpoint(tmp_path: Path) -> Path:
+    path = tmp_path / "ps.pt"
+    server = ParameterServer(
+        [torch.zeros(4)], lambda ps: tgo.AdamOptimizer(ps, 0.1), 1, checkpoint_path=path, checkpoint_every=1
+    )
+    inc, _, _ = server.join("w", 1, [((4,), torch.float32)])
+    server.push("w", inc, 1, {0: torch.arange(4.0)})
+    return path
+
+
+def test_a_checkpoint_with_flipped_bytes_is_refused(tmp_path):
+    path = _saved_checkpoint(tmp_path)
+    data = bytearray(path.read_bytes())
+    center = torch.load(path, weights_only=True)["center"][0]
+    # Flip the 4 bytes of one center value where they lie in the file: the file still loads.
+    where = bytes(data).find(center.numpy().tobytes())
+    assert where > 0
+    for i in range(where + 4, where + 8):
+        data[i] ^= 0xFF
+    path.write_bytes(bytes(data))
+    torch.load(path, weights_only=True)
+    with pytest.raises(ValueError, match=r"fails its checksum"):
+        ParameterServer([torch.zeros(4)], _gd, 1, restore_from=path)
+    path.write_bytes(bytes(data[: len(data) // 2]))
+    with pytest.raises(ValueError, match=r"cannot be read"):
+        ParameterServer([torch.zeros(4)], _gd, 1, restore_from=path)
+
+
+@pytest.mark.parametrize(
+    ("edit", "match"),
+    [
+        (lambda s: s["center"][0].fill_(float("nan")), r"center\[0\] has non-finite values"),
+        (lambda s: s.update(global_step=-5), r"global_step must be an int >= 0, got -5"),
+        (
+            lambda s: s["optimizer"]["param_groups"][0].update(lr=float("nan")),
+            r"param_groups\[0\]\['lr'\] is nan",
+        ),
+        (lambda s: s.pop("center"), r"misses keys \['center'\]"),
+        (lambda s: s.pop("global_step"), r"misses keys \['global_step'\]"),
+    ],
+    ids=["nan_center", "negative_step", "nan_lr", "no_center", "no_global_step"],
+)
+def test_a_checkpoint_with_bad_values_is_refused_with_a_named_error(tmp_path, edit, match):
+    from torchgrad_compat.agn.server import checkpoint_digest
+
+    path = _saved_checkpoint(tmp_path)
+    state = torch.load(path, weights_only=True)
+    edit(state)
+    state["sha256"] = checkpoint_digest(state)  # a consistent file with a bad value in it
+    torch.save(state, path)
+    with pytest.raises(ValueError, match=match):
+        ParameterServer([torch.zeros(4)], lambda ps: tgo.AdamOptimizer(ps, 0.1), 1, restore_from=path)

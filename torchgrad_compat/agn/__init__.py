@@ -7,6 +7,7 @@ the transport (``torch.distributed.rpc`` by default) in ``transport.py``.
 
 from .optimizer import AGNOptimizer
 from .server import (
+    AGNCheckpointWarning,
     AGNError,
     AGNServerNotReadyError,
     AGNServerUnavailableError,
@@ -25,6 +26,7 @@ from .transport import (
 )
 
 __all__ = [
+    "AGNCheckpointWarning",
     "AGNError",
     "AGNOptimizer",
     "AGNServerNotReadyError",

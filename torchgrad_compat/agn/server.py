@@ -8,6 +8,8 @@ tells it which workers are still alive; ``run_parameter_server`` joins the two.
 from __future__ import annotations
 
 import dataclasses
+import hashlib
+import math
 import os
 import threading
 import warnings
@@ -20,6 +22,7 @@ from torch import Tensor
 from ..optim._base import _describe
 
 __all__ = [
+    "AGNCheckpointWarning",
     "AGNError",
     "AGNServerNotReadyError",
     "AGNServerUnavailableError",
@@ -29,6 +32,7 @@ __all__ = [
 ]
 
 CHECKPOINT_FORMAT = "torchgrad_compat.agn.server/1"
+CHECKPOINT_KEYS = ("center", "format", "global_step", "optimizer", "sha256")
 
 
 class AGNError(RuntimeError):
@@ -41,6 +45,10 @@ class AGNServerNotReadyError(AGNError):
 
 class AGNServerUnavailableError(AGNError):
     """The AGN server did not answer: it died, stopped answering within the timeout, or never started."""
+
+
+class AGNCheckpointWarning(RuntimeWarning):
+    """The server could not write its checkpoint; the update stands and the next one tries again."""
 
 
 class AGNWorkerLostWarning(RuntimeWarning):
@@ -81,16 +89,24 @@ class ParameterServer:
       updates. A repeated ``(incarnation, seq)`` is answered without applying it
       again, so a retried push is never applied twice.
     * Pushes are validated before the lock is taken: index, layout, shape and
-      dtype must match the center; a bad push raises ``ValueError``/``TypeError``
-      to that worker and leaves the center untouched.
+      dtype must match the center, and every value must be finite (one NaN
+      would make the center and every worker NaN); a bad push raises
+      ``ValueError``/``TypeError`` to that worker and leaves the center untouched.
     * The server's optimizer is its own object with its own state. Unlike TF
       contrib, where the local and center applies share one Adam and its
       ``beta1_power`` advances on both (twice per communication), here the
       server's Adam advances once per push and the workers' once per local step.
     * Every ``checkpoint_every`` updates the center, the optimizer's
-      ``state_dict`` and ``global_step`` are saved to ``checkpoint_path`` (plain
-      tensors and numbers: ``torch.load(weights_only=True)`` reads it);
-      ``restore_from`` continues from such a file.
+      ``state_dict``, ``global_step`` and a SHA-256 of them are saved to
+      ``checkpoint_path`` (plain tensors and numbers:
+      ``torch.load(weights_only=True)`` reads it), written to a temporary file
+      and renamed, so a crash mid-save leaves the previous checkpoint. The
+      directory is checked at construction. A save that fails later (disk
+      full) does not fail the push, which is applied exactly once: the server
+      warns with :class:`AGNCheckpointWarning` and saves again after the next
+      update. ``restore_from`` continues from such a file after checking its
+      checksum and values (finite center and optimizer state, ``global_step
+      >= 0``); a bad file raises ``ValueError`` naming what is wrong.
     """
 
     def __init__(
@@ -130,8 +146,9 @@ class ParameterServer:
             )
         self.global_step = 0
         self.workers: dict[str, _Worker] = {}
-        self._checkpoint_path = None if checkpoint_path is None else os.fspath(checkpoint_path)
+        self._checkpoint_path = None if checkpoint_path is None else _writable(checkpoint_path)
         self._checkpoint_every = checkpoint_every
+        self._save_due = False  # a save failed; try again after the next update
         self._lock = threading.Lock()
         self._changed = threading.Condition(self._lock)
         if restore_from is not None:
@@ -174,8 +191,10 @@ class ParameterServer:
                 record.last_seq = seq
                 record.pushes += 1
                 self.global_step += 1
-                if self._checkpoint_every and self.global_step % self._checkpoint_every == 0:
-                    self._save()
+                if self._save_due or (
+                    self._checkpoint_every and self.global_step % self._checkpoint_every == 0
+                ):
+                    self._save_after_update()
             return self._center_copy(), self.global_step
 
     def finish(self, worker: str, incarnation: int) -> int:
@@ -224,12 +243,21 @@ class ParameterServer:
             return self._state_dict()
 
     def _state_dict(self) -> dict[str, Any]:
-        return {
+        state = {
             "format": CHECKPOINT_FORMAT,
             "center": self._center_copy(),
             "optimizer": self.optimizer.state_dict(),
             "global_step": self.global_step,
         }
+        state["sha256"] = checkpoint_digest(state)
+        return state
+
+    def save(self) -> None:
+        """Write a checkpoint to ``checkpoint_path`` now (a server that is being torn down)."""
+        if self._checkpoint_path is None:
+            raise RuntimeError(f"AGN server {self.name!r} has no checkpoint_path to save to")
+        with self._lock:
+            self._save()
 
     def _save(self) -> None:
         # Written beside the target and renamed, so a crash mid-save leaves the previous checkpoint.
@@ -237,20 +265,35 @@ class ParameterServer:
         torch.save(self._state_dict(), tmp)
         os.replace(tmp, self._checkpoint_path)
 
+    def _save_after_update(self) -> None:
+        """Save after an applied update; a failure must not fail (and so repeat) the push."""
+        try:
+            self._save()
+        except Exception as e:  # OSError, or torch.save's RuntimeError for a vanished directory
+            self._save_due = True
+            warnings.warn(
+                f"AGN server {self.name!r} could not save its checkpoint {self._checkpoint_path} at update "
+                f"{self.global_step} ({type(e).__name__}: {e}); it keeps serving and tries again after "
+                "the next update",
+                AGNCheckpointWarning,
+                stacklevel=2,
+            )
+        else:
+            self._save_due = False
+
     def _restore(self, path: str) -> None:
-        state = torch.load(path, weights_only=True)
-        if not isinstance(state, dict) or state.get("format") != CHECKPOINT_FORMAT:
-            raise ValueError(f"{path} is not an AGN server checkpoint ({CHECKPOINT_FORMAT})")
+        state = _read_checkpoint(path)
         center = state["center"]
         expected = [(tuple(c.shape), c.dtype) for c in self.center]
         found = [(tuple(c.shape), c.dtype) for c in center]
         if found != expected:
             raise ValueError(f"checkpoint {path} holds parameters {found}, the server has {expected}")
+        # Restoring runs inside the constructor: a failure leaves no half-restored server behind.
+        self.optimizer.load_state_dict(state["optimizer"])
         with torch.no_grad():
             for c, saved in zip(self.center, center, strict=True):
                 c.copy_(saved)
-        self.optimizer.load_state_dict(state["optimizer"])
-        self.global_step = int(state["global_step"])
+        self.global_step = state["global_step"]
 
     # ------------------------------------------------------------------ helpers
     def _center_copy(self) -> list[Tensor]:
@@ -287,6 +330,97 @@ class ParameterServer:
                 raise ValueError(
                     f"{where}: gradient {i} is {_describe(g)}, the center parameter is {_describe(c)}"
                 )
+            # A host read per push: the server must decide before the lock, and one NaN poisons everyone.
+            if g.is_floating_point() and not bool(torch.isfinite(g).all()):
+                raise ValueError(
+                    f"{where}: gradient {i} has non-finite values (NaN or inf); the push is refused and "
+                    "the center is unchanged (under loss scaling, skip the step instead of pushing it)"
+                )
+
+
+def _writable(path: str | os.PathLike[str]) -> str:
+    """``path`` as a string, once a file can be created beside it (checked by creating one)."""
+    path = os.fspath(path)
+    probe = f"{path}.tmp"
+    try:
+        if os.path.isdir(path):
+            raise IsADirectoryError(f"{path} is a directory")
+        with open(probe, "wb"):
+            pass
+        os.remove(probe)
+    except OSError as e:
+        raise ValueError(
+            f"Invalid checkpoint_path value: {path!r}; expected a file in an existing, writable directory "
+            f"({type(e).__name__}: {e})"
+        ) from e
+    return path
+
+
+def checkpoint_digest(state: dict[str, Any]) -> str:
+    """SHA-256 of a server checkpoint's content (every key but ``sha256``), independent of pickling."""
+    digest = hashlib.sha256()
+    _feed(digest, {k: v for k, v in state.items() if k != "sha256"})
+    return digest.hexdigest()
+
+
+def _feed(digest: Any, value: Any) -> None:
+    """Add ``value`` to ``digest`` with its type and structure, so that different values differ."""
+    if isinstance(value, Tensor):
+        t = value.detach().cpu().contiguous()
+        digest.update(f"T{t.dtype}{tuple(t.shape)}:".encode())
+        digest.update(t.reshape(-1).view(torch.uint8).numpy().tobytes())
+    elif isinstance(value, dict):
+        digest.update(f"D{len(value)}:".encode())
+        for k in sorted(value, key=repr):
+            _feed(digest, k)
+            _feed(digest, value[k])
+    elif isinstance(value, (list, tuple)):
+        digest.update(f"L{len(value)}:".encode())
+        for v in value:
+            _feed(digest, v)
+    else:
+        digest.update(f"{type(value).__name__}:{value!r};".encode())
+
+
+def _read_checkpoint(path: str) -> dict[str, Any]:
+    """Load and check a server checkpoint; ``ValueError`` naming the file and what is wrong with it."""
+    try:
+        state = torch.load(path, weights_only=True)
+    except Exception as e:  # a truncated or garbled zip/pickle raises many types
+        raise ValueError(f"AGN checkpoint {path} cannot be read ({type(e).__name__}: {e})") from e
+    if not isinstance(state, dict) or state.get("format") != CHECKPOINT_FORMAT:
+        raise ValueError(f"{path} is not an AGN server checkpoint ({CHECKPOINT_FORMAT})")
+    missing = [k for k in CHECKPOINT_KEYS if k not in state]
+    if missing:
+        raise ValueError(f"AGN checkpoint {path} misses keys {missing}")
+    if checkpoint_digest(state) != state["sha256"]:
+        raise ValueError(f"AGN checkpoint {path} fails its checksum: the file is corrupt or was edited")
+    step = state["global_step"]
+    if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+        raise ValueError(f"AGN checkpoint {path}: global_step must be an int >= 0, got {step!r}")
+    center = state["center"]
+    if not isinstance(center, list) or not all(isinstance(c, Tensor) for c in center):
+        raise ValueError(f"AGN checkpoint {path}: center must be a list of tensors")
+    for i, c in enumerate(center):
+        if c.is_floating_point() and not bool(torch.isfinite(c).all()):
+            raise ValueError(f"AGN checkpoint {path}: center[{i}] has non-finite values")
+    optimizer = state["optimizer"]
+    if not isinstance(optimizer, dict) or not {"state", "param_groups"} <= set(optimizer):
+        raise ValueError(
+            f"AGN checkpoint {path}: optimizer must be a state_dict with 'state' and 'param_groups'"
+        )
+    for g, group in enumerate(optimizer["param_groups"]):
+        for key, value in group.items():
+            for v in value if isinstance(value, (list, tuple)) else [value]:
+                if isinstance(v, float) and not math.isfinite(v):
+                    raise ValueError(f"AGN checkpoint {path}: optimizer param_groups[{g}][{key!r}] is {v!r}")
+    for p, slots in optimizer["state"].items():
+        for slot, v in slots.items():
+            if isinstance(v, Tensor) and v.is_floating_point() and not bool(torch.isfinite(v).all()):
+                raise ValueError(
+                    f"AGN checkpoint {path}: optimizer state[{p}][{slot!r}] has non-finite values"
+                )
+    return state
 
 
 def serve(server: ParameterServer, is_alive: Callable[[str], bool], liveness_interval: float) -> list[Tensor]:
