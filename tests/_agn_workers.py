@@ -229,7 +229,7 @@ def bad_input(rank: int, world: int, options: dict[str, Any]) -> Any:
     }
     for label, push in bad.items():
         try:
-            opt._endpoint.request("push", opt._incarnation, 100, push)
+            opt._endpoint.request("push", opt._session, 100, push)
         except (ValueError, TypeError) as e:
             errors[label] = f"{type(e).__name__}: {e}"
     for label, kwargs in {"num_worker": {"num_worker": 2}, "shape": {"shape": (3,)}}.items():

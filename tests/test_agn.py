@@ -207,13 +207,31 @@ def test_concurrent_pushes_are_applied_exactly_once_each():
 def test_a_repeated_push_is_not_applied_twice_and_a_replaced_incarnation_is_refused():
     _, host = _local([torch.zeros(1)], _gd, 1)
     ep = host.endpoint("w")
-    incarnation, _, _ = ep.join(1, [((1,), torch.float32)], startup_timeout=1)
-    ep.request("push", incarnation, 1, {0: torch.ones(1)})
-    center, step = ep.request("push", incarnation, 1, {0: torch.ones(1)})
+    session, _, _ = ep.join(1, [((1,), torch.float32)], startup_timeout=1)
+    ep.request("push", session, 1, {0: torch.ones(1)})
+    center, step = ep.request("push", session, 1, {0: torch.ones(1)})
     assert step == 1 and center[0].item() == -1.0
-    ep.join(1, [((1,), torch.float32)], startup_timeout=1)
+    ep.join(1, [((1,), torch.float32)], session, startup_timeout=1)
     with pytest.raises(AGNError, match="incarnation 1 was replaced by 2"):
-        ep.request("push", incarnation, 2, {0: torch.ones(1)})
+        ep.request("push", session, 2, {0: torch.ones(1)})
+
+
+def test_a_worker_cannot_finish_push_or_rejoin_under_another_workers_name():
+    server, host = _local([torch.zeros(1)], _gd, 2)
+    p = torch.zeros(1)
+    victim = AGNOptimizer(_gd([p]), 2, 1, server=host.endpoint("victim"))
+    intruder = host.endpoint("victim")
+    with pytest.raises(AGNError, match="a worker named 'victim' is running"):
+        intruder.join(2, [((1,), torch.float32)], startup_timeout=1)
+    for session in [1, (1, "0" * 32), (1, None)]:
+        with pytest.raises(AGNError, match="wrong session key; only the process that joined as 'victim'"):
+            intruder.request("finish", session)
+        with pytest.raises(AGNError, match="wrong session key"):
+            intruder.request("push", session, 7, {0: torch.ones(1)})
+    victim.apply_gradients([(torch.ones(1), p)])
+    assert server.global_step == 1 and victim.finish() == 1
+    host.dead.add("victim")  # a finished (or dead) worker's name may be taken by a restarted process
+    AGNOptimizer(_gd([torch.zeros(1)]), 2, 1, server=host.endpoint("victim"))
 
 
 @pytest.mark.parametrize(
@@ -237,7 +255,7 @@ def test_bad_pushes_are_refused_and_leave_the_server_unchanged(push, error, matc
     opt = AGNOptimizer(_gd([p]), 1, 1, server=host.endpoint("w"))
     before = server.state_dict()
     with pytest.raises(error, match=match):
-        opt._endpoint.request("push", opt._incarnation, 5, push)
+        opt._endpoint.request("push", opt._session, 5, push)
     after = server.state_dict()
     assert torch.equal(before["center"][0], after["center"][0]) and after["global_step"] == 0
     opt.apply_gradients([(torch.ones(2, 3), p)])

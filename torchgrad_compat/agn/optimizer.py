@@ -107,7 +107,7 @@ class AGNOptimizer(OptimizerWrapper):
         self.global_step = 0
         self._seq = 0
         specs = [(tuple(p.shape), p.dtype) for p in params]
-        self._incarnation, center, self.global_step = self._endpoint.join(
+        self._session, center, self.global_step = self._endpoint.join(
             num_worker, specs, startup_timeout=startup_timeout
         )
         self._pull(center)
@@ -156,7 +156,7 @@ class AGNOptimizer(OptimizerWrapper):
 
     def finish(self) -> int:
         """Tell the server this worker is done; the server's ``global_step``."""
-        return self._endpoint.request("finish", self._incarnation)
+        return self._endpoint.request("finish", self._session)
 
     def _accumulate(self, grads: list[Tensor | None]) -> None:
         with torch.no_grad():
@@ -173,7 +173,7 @@ class AGNOptimizer(OptimizerWrapper):
         pushed = {i: self._accumulators[i] / self.communication_period for i in sorted(self._pending)}
         if pushed:
             self._seq += 1
-            center, self.global_step = self._endpoint.request("push", self._incarnation, self._seq, pushed)
+            center, self.global_step = self._endpoint.request("push", self._session, self._seq, pushed)
             self._pull(center)
         with torch.no_grad():
             for a in self._accumulators:

@@ -9,8 +9,10 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import hmac
 import math
 import os
+import secrets
 import threading
 import warnings
 from collections.abc import Callable, Iterable, Sequence
@@ -55,9 +57,14 @@ class AGNWorkerLostWarning(RuntimeWarning):
     """A worker stopped answering before it called ``finish()``; the server went on without it."""
 
 
+# What ``join`` hands a worker and every later request of it carries: (incarnation, secret key).
+Session = tuple[int, str]
+
+
 @dataclasses.dataclass
 class _Worker:
     incarnation: int = 0
+    key: str = ""
     last_seq: int = 0
     pushes: int = 0
     state: str = "running"  # "running", "finished" or "dead"
@@ -81,8 +88,13 @@ class ParameterServer:
     Contract:
 
     * ``join`` returns the current center (TF's ``get_init_op``: local := center)
-      and starts a new *incarnation* of that worker: a restarted worker of the same
-      name is welcome, and pushes of the old incarnation are refused.
+      and starts a new *session* of that worker: an incarnation number and a
+      random key that its ``push`` and ``finish`` must carry, so no other
+      process can push or finish under its name. A running worker's name is
+      taken: joining under it is refused unless the join carries that worker's
+      session (the same worker starting over). A worker that finished or died
+      (the transport stopped answering for it) may join again, as a restarted
+      process; requests of the old session are refused.
     * ``push`` applies the server's optimizer once to the center with the pushed
       (already normalized) gradients and returns the center after the update. The
       whole of it runs under one lock, so N workers × K pushes are exactly N·K
@@ -156,9 +168,16 @@ class ParameterServer:
 
     # ------------------------------------------------------------------ requests
     def join(
-        self, worker: str, num_worker: int, specs: Sequence[tuple[tuple[int, ...], torch.dtype]]
-    ) -> tuple:
-        """Register ``worker``; ``(incarnation, center, global_step)``. The worker's parameters must match."""
+        self,
+        worker: str,
+        num_worker: int,
+        specs: Sequence[tuple[tuple[int, ...], torch.dtype]],
+        session: Session | None = None,
+    ) -> tuple[Session, list[Tensor], int]:
+        """Register ``worker``; ``(session, center, global_step)``. The worker's parameters must match.
+
+        ``session``: the worker's current session, to start it over while it is running.
+        """
         if num_worker != self.num_worker:
             raise ValueError(
                 f"AGN server {self.name!r} serves num_worker={self.num_worker}, worker {worker!r} "
@@ -171,20 +190,28 @@ class ParameterServer:
                 f"the center has {expected}"
             )
         with self._lock:
+            record = self.workers.get(worker)
+            if record is not None and record.state == "running" and not self._holds(record, session):
+                raise AGNError(
+                    f"AGN server {self.name!r}: a worker named {worker!r} is running (session "
+                    f"{record.incarnation}); a name is bound to the process that joined with it. If that "
+                    "process died, the server notices within its liveness probe and the name is free again"
+                )
             record = self.workers.setdefault(worker, _Worker())
             record.incarnation += 1
+            record.key = secrets.token_hex(16)
             record.last_seq = 0
             record.state = "running"
             self._changed.notify_all()
-            return record.incarnation, self._center_copy(), self.global_step
+            return (record.incarnation, record.key), self._center_copy(), self.global_step
 
     def push(
-        self, worker: str, incarnation: int, seq: int, grads: dict[int, Tensor]
+        self, worker: str, session: Session, seq: int, grads: dict[int, Tensor]
     ) -> tuple[list[Tensor], int]:
         """Apply one normalized push from ``worker``; ``(center, global_step)`` after it."""
         self._check_push(worker, grads)
         with self._lock:
-            record = self._running(worker, incarnation)
+            record = self._running(worker, session)
             if seq > record.last_seq:
                 with torch.no_grad():
                     _apply(self.optimizer, self.center, grads)
@@ -197,10 +224,10 @@ class ParameterServer:
                     self._save_after_update()
             return self._center_copy(), self.global_step
 
-    def finish(self, worker: str, incarnation: int) -> int:
+    def finish(self, worker: str, session: Session) -> int:
         """Record that ``worker`` is done; the server's ``global_step``."""
         with self._lock:
-            self._running(worker, incarnation).state = "finished"
+            self._running(worker, session).state = "finished"
             self._changed.notify_all()
             return self.global_step
 
@@ -299,14 +326,31 @@ class ParameterServer:
     def _center_copy(self) -> list[Tensor]:
         return [c.clone() for c in self.center]
 
-    def _running(self, worker: str, incarnation: int) -> _Worker:
+    @staticmethod
+    def _holds(record: _Worker, session: Any) -> bool:
+        """Whether ``session`` is ``record``'s current one (the key compared in constant time)."""
+        return (
+            isinstance(session, tuple)
+            and len(session) == 2
+            and session[0] == record.incarnation
+            and isinstance(session[1], str)
+            and hmac.compare_digest(session[1], record.key)
+        )
+
+    def _running(self, worker: str, session: Any) -> _Worker:
         record = self.workers.get(worker)
         if record is None:
             raise AGNError(f"AGN server {self.name!r}: worker {worker!r} has not joined")
-        if incarnation != record.incarnation:
+        incarnation = session[0] if isinstance(session, tuple) and session else None
+        if isinstance(incarnation, int) and incarnation != record.incarnation:
             raise AGNError(
-                f"AGN server {self.name!r}: worker {worker!r} incarnation {incarnation} was replaced by "
+                f"AGN server {self.name!r}: worker {worker!r} incarnation {incarnation!r} was replaced by "
                 f"{record.incarnation} (the worker rejoined)"
+            )
+        if not self._holds(record, session):
+            raise AGNError(
+                f"AGN server {self.name!r}: a request for worker {worker!r} carried a wrong session key; "
+                f"only the process that joined as {worker!r} may push or finish for it"
             )
         if record.state != "running":
             raise AGNError(f"AGN server {self.name!r}: worker {worker!r} is {record.state}")
