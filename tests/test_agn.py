@@ -607,3 +607,55 @@ def test_a_checkpoint_with_bad_values_is_refused_with_a_named_error(tmp_path, ed
     torch.save(state, path)
     with pytest.raises(ValueError, match=match):
         ParameterServer([torch.zeros(4)], lambda ps: tgo.AdamOptimizer(ps, 0.1), 1, restore_from=path)
+
+
+# ---------------------------------------------------------------------- AGN around loss scaling
+def _loss_scaled_worker(period: int, loss_scale: Any = "dynamic"):
+    from torchgrad_compat.amp import LossScaleOptimizer
+
+    server, host = _local([torch.zeros(2)], _gd, 1)
+    w = torch.zeros(2, requires_grad=True)
+    lso = LossScaleOptimizer(_gd([w], lr=0.1), loss_scale=loss_scale)
+    return server, w, lso, AGNOptimizer(lso, 1, period, server=host.endpoint("w"))
+
+
+def _scaled_step(w: torch.Tensor, lso: Any, opt: AGNOptimizer, slope: list[float]) -> None:
+    opt.zero_grad()
+    lso.get_scaled_loss((w * torch.tensor(slope)).sum()).backward()
+    opt.step()
+
+
+def test_agn_around_loss_scaling_pushes_unscaled_gradients():
+    server, w, lso, opt = _loss_scaled_worker(2)
+    _scaled_step(w, lso, opt, [0.4, -1.0])
+    _scaled_step(w, lso, opt, [1.2, 3.0])
+    assert server.global_step == 1
+    assert torch.allclose(server.center[0], -torch.tensor([0.8, 1.0]), rtol=0, atol=1e-6), server.center
+
+
+def test_agn_around_loss_scaling_does_not_accumulate_skipped_steps():
+    server, w, lso, opt = _loss_scaled_worker(3)
+    _scaled_step(w, lso, opt, [1.0, 2.0])
+    _scaled_step(w, lso, opt, [float("inf"), 5.0])  # skipped: the scale halves, nothing accumulates
+    _scaled_step(w, lso, opt, [3.0, 4.0])
+    assert float(lso.loss_scale()) == 2.0**14 and server.global_step == 1
+    # The mean over the two applied steps.
+    assert torch.equal(server.center[0], -torch.tensor([2.0, 3.0]))
+    for _ in range(3):  # a period with only skipped steps pushes nothing
+        _scaled_step(w, lso, opt, [float("nan"), 1.0])
+    assert server.global_step == 1 and opt.local_step == 6
+
+
+def test_agn_around_loss_scaling_tf_style_skips_like_the_loss_scale():
+    server, w, lso, opt = _loss_scaled_worker(2)
+    opt.apply_gradients([(torch.tensor([1.0, 1.0]), w)])
+    opt.apply_gradients([(torch.tensor([float("inf"), 1.0]), w)])
+    assert float(lso.loss_scale()) == 2.0**14
+    assert server.global_step == 1 and torch.equal(server.center[0], -torch.tensor([1.0, 1.0]))
+
+
+def test_agn_around_a_fixed_loss_scale_refuses_a_non_finite_push():
+    server, w, lso, opt = _loss_scaled_worker(1, loss_scale=8.0)
+    with pytest.raises(ValueError, match="non-finite values"):
+        _scaled_step(w, lso, opt, [float("inf"), 1.0])
+    assert server.global_step == 0 and torch.equal(server.center[0], torch.zeros(2))
