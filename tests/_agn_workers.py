@@ -21,6 +21,7 @@ from torch import Tensor
 
 import torchgrad_compat.optim as tgo
 from torchgrad_compat.agn import (
+    AGNError,
     AGNOptimizer,
     AGNServerNotReadyError,
     AGNServerUnavailableError,
@@ -356,9 +357,36 @@ def _checkpoint_worker(pushes: int) -> dict[str, Any]:
     return {"joined_at": joined, "finished_at": opt.finish()}
 
 
+def cannot_start_then_early_death(rank: int, world: int, options: dict[str, Any]) -> Any:
+    """A server with a corrupt checkpoint tells every worker at once; then a worker dies before it joins."""
+    if rank == 0:
+        try:
+            run_parameter_server(
+                [torch.zeros(1)], _gd, world - 1, restore_from=options["corrupt"], refuse_for=20
+            )
+        except ValueError as e:
+            refused = str(e)
+    else:
+        start = time.monotonic()
+        try:
+            AGNOptimizer(_gd([torch.zeros(1)]), world - 1, 1, server="ps", startup_timeout=30)
+        except AGNError as e:
+            refused = {"error": f"{type(e).__name__}: {e}", "seconds": time.monotonic() - start}
+    next_phase()
+    if rank == 0:
+        return refused, _serve(world, options, [torch.zeros(1)], _gd)
+    if rank == world - 1:
+        os.kill(os.getpid(), 9)
+    p = torch.zeros(1)
+    opt = AGNOptimizer(_gd([p]), world - 1, 1, server="ps")
+    opt.apply_gradients([(torch.ones(1), p)])
+    return refused, opt.finish()
+
+
 SCENARIOS: dict[str, Callable[[int, int, dict[str, Any]], Any]] = {
     "one_worker_phases": one_worker_phases,
     "golden_two_then_server_dies": golden_two_then_server_dies,
     "concurrent_one_dies": concurrent_one_dies,
     "checkpointed": checkpointed,
+    "cannot_start_then_early_death": cannot_start_then_early_death,
 }

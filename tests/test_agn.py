@@ -15,6 +15,7 @@ import multiprocessing
 import os
 import re
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -659,3 +660,161 @@ def test_agn_around_a_fixed_loss_scale_refuses_a_non_finite_push():
     with pytest.raises(ValueError, match="non-finite values"):
         _scaled_step(w, lso, opt, [float("inf"), 1.0])
     assert server.global_step == 0 and torch.equal(server.center[0], torch.zeros(2))
+
+
+# ---------------------------------------------------------------------- liveness
+def test_a_known_worker_that_dies_before_joining_is_not_waited_for():
+    server, host = _local([torch.zeros(1)], _gd, 2)
+    host.known = ["a", "b"]
+    p = torch.zeros(1)
+    a = AGNOptimizer(_gd([p]), 2, 1, server=host.endpoint("a"))
+    a.apply_gradients([(torch.ones(1), p)])
+    a.finish()
+    host.dead.add("b")  # never joined
+    done = []
+    thread = threading.Thread(target=lambda: done.append(serve(server, host.is_alive, 0.01, host.peers())))
+    with pytest.warns(AGNWorkerLostWarning, match=r"\['b'\]"):
+        thread.start()
+        thread.join(timeout=10)
+    assert done and done[0][0].item() == -1.0
+
+
+def test_a_server_that_cannot_start_tells_its_workers_at_once(tmp_path):
+    from torchgrad_compat.agn import run_parameter_server
+
+    path = tmp_path / "ps.pt"
+    path.write_bytes(b"not a checkpoint")
+    host = LocalServerHost()
+    host.known = ["w"]
+    errors: list[str] = []
+
+    def worker() -> None:
+        start = time.monotonic()
+        try:
+            AGNOptimizer(_gd([torch.zeros(1)]), 1, server=host.endpoint("w"), startup_timeout=30)
+        except AGNError as e:
+            errors.append(f"{time.monotonic() - start:.1f} {type(e).__name__}: {e}")
+
+    thread = threading.Timer(0.2, worker)
+    thread.start()
+    with pytest.raises(ValueError, match="cannot be read"):
+        run_parameter_server([torch.zeros(1)], _gd, 1, restore_from=path, transport=host, refuse_for=20)
+    thread.join(timeout=30)
+    assert errors and "AGNError: AGN server 'ps' could not start: ValueError: AGN checkpoint" in errors[0]
+    assert float(errors[0].split()[0]) < 5, errors
+
+
+def test_a_server_torn_down_by_sigterm_saves_its_center_first(tmp_path):
+    from torchgrad_compat.agn import run_parameter_server
+
+    path = tmp_path / "ps.pt"
+    host = LocalServerHost()
+
+    def worker() -> None:
+        p = torch.zeros(1)
+        opt = AGNOptimizer(_gd([p]), 1, 1, server=host.endpoint("w"), startup_timeout=10)
+        for _ in range(3):
+            opt.apply_gradients([(torch.ones(1), p)])
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    thread = threading.Thread(target=worker)
+    thread.start()
+    with pytest.raises(SystemExit):
+        run_parameter_server(
+            [torch.zeros(1)], _gd, 1, checkpoint_path=path, checkpoint_every=100, transport=host
+        )
+    thread.join(timeout=10)
+    saved = torch.load(path, weights_only=True)
+    assert saved["global_step"] == 3 and saved["center"][0].item() == -3.0
+    assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL
+
+
+def test_rpc_a_corrupt_checkpoint_reaches_workers_at_once_and_an_early_death_ends_the_wait(tmp_path):
+    corrupt = tmp_path / "ps.pt"
+    corrupt.write_bytes(b"\x00" * 64)
+    out = _run_group(3, "cannot_start_then_early_death", corrupt=str(corrupt), abrupt_shutdown=True)
+    assert 2 not in out, "worker2 was meant to die before it joined"
+    (refused, server), (told, finished) = _ok(out, [0, 1])
+    assert "cannot be read" in refused and "could not start: ValueError: AGN checkpoint" in told["error"]
+    assert told["seconds"] < 10, told
+    assert finished == 1 and server["center"] == [[-1.0]]
+    assert len(server["lost"]) == 1 and "['worker2']" in server["lost"][0]
+
+
+# ---------------------------------------------------------------------- init_rpc_from_env
+_INIT_RPC = """
+import sys, time
+import torch.distributed.rpc as rpc
+from torchgrad_compat.agn import init_rpc_from_env
+name = init_rpc_from_env(startup_timeout=float(sys.argv[1]))
+print("up", name, flush=True)
+time.sleep(float(sys.argv[2]))
+rpc.shutdown()
+"""
+
+
+def _init_rpc_process(
+    rank: int, world: int, port: int, startup_timeout: float, hold: float
+) -> subprocess.Popen:
+    env = {**os.environ, "RANK": str(rank), "WORLD_SIZE": str(world), "MASTER_ADDR": "127.0.0.1"}
+    env.update(MASTER_PORT=str(port), PYTHONPATH=str(Path(__file__).resolve().parents[1]))
+    env.pop("TP_SOCKET_IFNAME", None)
+    command = [sys.executable, "-c", _INIT_RPC, str(startup_timeout), str(hold)]
+    return subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+
+def _listening(pid: int) -> list[str]:
+    """``address:port`` of every TCP socket that process ``pid`` listens on (Linux /proc)."""
+    inodes = set()
+    for fd in Path(f"/proc/{pid}/fd").iterdir():
+        target = os.readlink(fd) if fd.is_symlink() else ""
+        if target.startswith("socket:["):
+            inodes.add(target[8:-1])
+    found = []
+    for table, width in (("tcp", 8), ("tcp6", 32)):
+        for line in Path(f"/proc/{pid}/net/{table}").read_text().splitlines()[1:]:
+            fields = line.split()
+            if fields[3] == "0A" and fields[9] in inodes:  # 0A: LISTEN
+                address, port = fields[1].split(":")
+                assert len(address) == width
+                raw = bytes.fromhex(address)
+                # /proc prints each 32-bit word in host (little-endian) order.
+                words = b"".join(raw[i : i + 4][::-1] for i in range(0, len(raw), 4))
+                family = socket.AF_INET if table == "tcp" else socket.AF_INET6
+                found.append(f"{socket.inet_ntop(family, words)}:{int(port, 16)}")
+    return found
+
+
+def test_init_rpc_from_env_gives_up_within_startup_timeout():
+    proc = _init_rpc_process(1, 2, free_port(), startup_timeout=2, hold=0)
+    start = time.monotonic()
+    try:
+        output, _ = proc.communicate(timeout=60)
+    finally:
+        proc.kill()
+    assert proc.returncode != 0 and time.monotonic() - start < 30, output
+    assert "AGNServerUnavailableError: AGN rendezvous at 127.0.0.1:" in output, output
+    assert "(rank 1 of 2) did not complete within startup_timeout=2.0 s" in output, output
+
+
+def test_init_rpc_from_env_listens_on_the_configured_address_only():
+    port = free_port()
+    procs = [_init_rpc_process(0, 2, port, startup_timeout=60, hold=4)]
+    try:
+        deadline = time.monotonic() + 30
+        while not _listening(procs[0].pid) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        store = _listening(procs[0].pid)
+        assert store == [f"127.0.0.1:{port}"], store
+        procs.append(_init_rpc_process(1, 2, port, startup_timeout=60, hold=4))
+        for proc in procs:
+            lines = iter(proc.stdout.readline, "")  # torch may warn first
+            assert any(line.startswith("up") for line in lines), proc.communicate(timeout=30)[0]
+        every = [address for proc in procs for address in _listening(proc.pid)]
+        assert every and all(a.startswith("127.0.0.1:") for a in every), every
+        outputs = [proc.communicate(timeout=30)[0] for proc in procs]
+        assert all(proc.returncode == 0 for proc in procs), outputs
+    finally:
+        for proc in procs:
+            proc.kill()
+            proc.wait()

@@ -13,7 +13,9 @@ import hmac
 import math
 import os
 import secrets
+import signal
 import threading
+import time
 import warnings
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
@@ -237,10 +239,13 @@ class ParameterServer:
             return self._center_copy(), self.global_step
 
     def mark_dead(self, worker: str) -> None:
-        """A transport found ``worker`` gone before ``finish()``: stop waiting for it."""
+        """A transport found ``worker`` gone before ``finish()``, or before it joined: stop waiting for it."""
         with self._lock:
             record = self.workers.get(worker)
-            if record is not None and record.state == "running":
+            if record is None:
+                self.workers[worker] = _Worker(state="dead")
+                self._changed.notify_all()
+            elif record.state == "running":
                 record.state = "dead"
                 self._changed.notify_all()
 
@@ -467,14 +472,25 @@ def _read_checkpoint(path: str) -> dict[str, Any]:
     return state
 
 
-def serve(server: ParameterServer, is_alive: Callable[[str], bool], liveness_interval: float) -> list[Tensor]:
+def serve(
+    server: ParameterServer,
+    is_alive: Callable[[str], bool],
+    liveness_interval: float,
+    peers: Iterable[str] = (),
+) -> list[Tensor]:
     """Wait until every worker has finished or died, probing running workers every ``liveness_interval`` s.
+
+    ``peers``: workers the transport knows of; one that dies before it joins
+    is marked dead too, so the server does not wait for it forever.
 
     Returns copies of the final center tensors; warns with
     :class:`AGNWorkerLostWarning` naming the workers that died.
     """
+    peers = list(peers)
     while not server.wait(liveness_interval):
-        for worker in server.running_workers():
+        with server._lock:
+            unjoined = [w for w in peers if w not in server.workers]
+        for worker in server.running_workers() + unjoined:
             if not is_alive(worker):
                 server.mark_dead(worker)
     dead = server.dead_workers()
@@ -500,6 +516,7 @@ def run_parameter_server(
     restore_from: str | os.PathLike[str] | None = None,
     liveness_interval: float = 1.0,
     transport: Any = None,
+    refuse_for: float = 30.0,
 ) -> list[Tensor]:
     """Serve AGN workers until each of ``num_worker`` has called ``finish()`` or died; the final center.
 
@@ -507,7 +524,18 @@ def run_parameter_server(
     process's RPC name, which workers pass as ``server=``). Workers may join at
     any time, before or after other workers' updates, and are served
     concurrently; see :class:`ParameterServer` for the guarantees. A worker that
-    dies is reported with :class:`AGNWorkerLostWarning`.
+    dies is reported with :class:`AGNWorkerLostWarning`; one the transport
+    knows of (an RPC group member) that dies before it joins counts as dead.
+
+    A server that is torn down while serving (``SIGTERM``, as torchrun sends
+    when another process of the job fails; ``Ctrl-C``; an error) writes a
+    last checkpoint to ``checkpoint_path`` first, if it has one.
+
+    A server that cannot start (a corrupt ``restore_from``, a bad argument)
+    answers every request with that error, so workers raise :class:`AGNError`
+    at once instead of waiting ``startup_timeout``; it does so until each
+    worker the transport knows of has asked or died, at most ``refuse_for``
+    seconds, then raises.
 
     Args:
         params: the initial center parameters (copied).
@@ -520,6 +548,7 @@ def run_parameter_server(
         liveness_interval: seconds between probes of the running workers.
         transport: the server side of a transport (default: RPC,
             :class:`~torchgrad_compat.agn.transport.RpcServerHost`).
+        refuse_for: seconds a server that could not start keeps telling workers why.
 
     Raises:
         ValueError: ``num_worker < 1``, an empty ``params``, or ``name`` is not
@@ -527,20 +556,82 @@ def run_parameter_server(
     """
     from .transport import RpcServerHost
 
-    if not (isinstance(liveness_interval, (int, float)) and liveness_interval > 0):
-        raise ValueError(f"liveness_interval must be a number > 0, got {liveness_interval!r}")
-    server = ParameterServer(
-        params,
-        optimizer_fn,
-        num_worker,
-        name=name,
-        checkpoint_path=checkpoint_path,
-        checkpoint_every=checkpoint_every,
-        restore_from=restore_from,
-    )
     host = RpcServerHost() if transport is None else transport
-    host.start(server)
     try:
-        return serve(server, host.is_alive, liveness_interval)
+        if not (isinstance(liveness_interval, (int, float)) and liveness_interval > 0):
+            raise ValueError(f"liveness_interval must be a number > 0, got {liveness_interval!r}")
+        if not (isinstance(refuse_for, (int, float)) and refuse_for >= 0):
+            raise ValueError(f"Invalid refuse_for value: {refuse_for!r}; expected a number >= 0")
+        server = ParameterServer(
+            params,
+            optimizer_fn,
+            num_worker,
+            name=name,
+            checkpoint_path=checkpoint_path,
+            checkpoint_every=checkpoint_every,
+            restore_from=restore_from,
+        )
+    except Exception as e:
+        _refuse_until_told(
+            host, name, f"AGN server {name!r} could not start: {type(e).__name__}: {e}", refuse_for
+        )
+        raise
+    serving = False
+    try:
+        # SIGTERM becomes an exception from before the first request can arrive.
+        with _terminate_as_exit():
+            host.start(server)
+            serving = True
+            return serve(server, host.is_alive, liveness_interval, host.peers())
+    except BaseException:
+        if serving and checkpoint_path is not None:
+            _last_save(server)
+        raise
     finally:
         host.stop(server)
+
+
+def _last_save(server: ParameterServer) -> None:
+    """Save a server that is being torn down; a failure is reported, not raised over the reason it stops."""
+    try:
+        server.save()
+    except Exception as e:
+        warnings.warn(
+            f"AGN server {server.name!r} could not save its last checkpoint at update {server.global_step} "
+            f"({type(e).__name__}: {e})",
+            AGNCheckpointWarning,
+            stacklevel=3,
+        )
+
+
+def _refuse_until_told(host: Any, name: str, reason: str, refuse_for: float) -> None:
+    """Answer every request to ``name`` with ``reason`` until each known worker asked or died (bounded)."""
+    peers = set(host.peers())
+    told = host.refuse(name, reason)
+    deadline = time.monotonic() + refuse_for
+    try:
+        while time.monotonic() < deadline and any(w not in told and host.is_alive(w) for w in peers):
+            time.sleep(0.05)
+    finally:
+        host.stop_refusing(name)
+
+
+class _Terminated(SystemExit):
+    """SIGTERM arrived while serving."""
+
+
+class _terminate_as_exit:
+    """Turn SIGTERM into an exception in the main thread while serving, so the server saves before it dies."""
+
+    def __enter__(self) -> None:
+        self._previous = None
+        if threading.current_thread() is threading.main_thread():
+            self._previous = signal.signal(signal.SIGTERM, self._raise)
+
+    def __exit__(self, *exc: object) -> None:
+        if self._previous is not None:
+            signal.signal(signal.SIGTERM, self._previous)
+
+    @staticmethod
+    def _raise(signum: int, frame: Any) -> None:
+        raise _Terminated(128 + signum)
