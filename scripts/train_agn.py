@@ -11,13 +11,22 @@ classes decided by a fixed random linear "teacher"; nothing is downloaded).
 The server prints the accuracy of the center parameters on held-out data
 before and after.
 
-RPC listens on 127.0.0.1 (torchrun's default ``MASTER_ADDR``). torch RPC has no
-authentication: run it on a trusted network only.
+RPC listens on ``MASTER_ADDR`` only (torchrun's default: 127.0.0.1). torch RPC
+has no authentication: run it on a trusted network only.
+
+Every wait is bounded: the rendezvous and the first contact with the server
+(``--startup-timeout``), each request (``--rpc-timeout``). A worker that dies
+is noticed by the server, which serves the others to the end; every process
+then leaves without waiting for the dead one (``rpc.shutdown(graceful=False)``,
+once the server has answered every worker's ``finish()``). A server that is
+torn down (torchrun sends SIGTERM when a process of the job fails) writes its
+``--checkpoint`` first.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import time
 
 import torch
@@ -85,8 +94,13 @@ def serve(args: argparse.Namespace, num_worker: int) -> None:
 def work(args: argparse.Namespace, rank: int, num_worker: int) -> None:
     model = make_model(args.seed + rank)  # AGNOptimizer replaces these with the server's parameters
     opt = AGNOptimizer(
-        OPTIMIZERS[args.optimizer](list(model.parameters()), args.lr), num_worker, args.period, server="ps"
+        OPTIMIZERS[args.optimizer](list(model.parameters()), args.lr),
+        num_worker,
+        args.period,
+        server="ps",
+        startup_timeout=args.startup_timeout,
     )
+    print(f"worker{rank}: joined at global_step {opt.global_step} (pid {os.getpid()})", flush=True)
     x, y = make_data(rank, args.steps * args.batch)
     for step in range(args.steps):
         rows = slice(step * args.batch, (step + 1) * args.batch)
@@ -111,12 +125,13 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=32)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--rpc-timeout", type=float, default=30.0)
+    parser.add_argument("--startup-timeout", type=float, default=60.0, help="rendezvous and first contact")
     parser.add_argument("--checkpoint", default=None, help="server checkpoint file")
     parser.add_argument("--checkpoint-every", type=int, default=0, help="server updates between checkpoints")
     parser.add_argument("--restore", default=None, help="server checkpoint to continue from")
     args = parser.parse_args()
 
-    name = init_rpc_from_env(rpc_timeout=args.rpc_timeout)
+    name = init_rpc_from_env(rpc_timeout=args.rpc_timeout, startup_timeout=args.startup_timeout)
     info = rpc.get_worker_info()
     num_worker = len(rpc.api._get_current_rpc_agent().get_worker_infos()) - 1
     try:
@@ -125,7 +140,9 @@ def main() -> None:
         else:
             work(args, info.id, num_worker)
     finally:
-        rpc.shutdown()
+        # Not graceful: that waits for every process of the group, a killed one too, forever. Nothing is
+        # left to exchange: the server has answered each worker's finish() (or found it dead) and lingered.
+        rpc.shutdown(graceful=False)
 
 
 if __name__ == "__main__":

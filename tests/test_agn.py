@@ -818,3 +818,98 @@ def test_init_rpc_from_env_listens_on_the_configured_address_only():
         for proc in procs:
             proc.kill()
             proc.wait()
+
+
+# ---------------------------------------------------------------------- scripts/train_agn.py under faults
+SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "train_agn.py"
+
+
+def _wait_for_line(proc: subprocess.Popen, pattern: str, lines: list[str], timeout: float) -> re.Match:
+    """Read ``proc``'s output into ``lines`` until a line matches ``pattern`` (a reader thread bounds it)."""
+    found: list[re.Match] = []
+
+    def read() -> None:
+        for line in iter(proc.stdout.readline, ""):
+            lines.append(line)
+            if not found and (match := re.search(pattern, line)):
+                found.append(match)
+                return
+
+    reader = threading.Thread(target=read, daemon=True)
+    reader.start()
+    reader.join(timeout)
+    assert found, f"no line matching {pattern!r} within {timeout} s:\n{''.join(lines)}"
+    return found[0]
+
+
+def _kill_group(proc: subprocess.Popen) -> None:
+    if proc.poll() is None:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+
+
+def test_train_agn_a_killed_worker_leaves_no_process_stuck():
+    """Three processes started by hand (no torchrun): worker2 is killed mid-run; the other two exit."""
+    port = free_port()
+    procs = []
+    for rank in range(3):
+        env = {**os.environ, "RANK": str(rank), "WORLD_SIZE": "3", "MASTER_ADDR": "127.0.0.1"}
+        env.update(MASTER_PORT=str(port), PYTHONPATH=str(SCRIPT.parents[1]))
+        command = [sys.executable, str(SCRIPT), "--steps", "400", "--rpc-timeout", "5"]
+        procs.append(
+            subprocess.Popen(
+                command,
+                env=env,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+                text=True,
+                start_new_session=True,
+            )
+        )
+    try:
+        lines: list[str] = []
+        pid = int(_wait_for_line(procs[2], r"worker2: joined at global_step \d+ \(pid (\d+)\)", lines, 60)[1])
+        os.kill(pid, signal.SIGKILL)
+        outputs = [proc.communicate(timeout=GROUP_DEADLINE_S)[0] for proc in procs[:2]]
+        assert [proc.returncode for proc in procs[:2]] == [0, 0], outputs
+        assert "worker(s) ['worker2'] stopped answering" in outputs[0], outputs[0]
+        assert "worker1: step 400 " in outputs[1], outputs[1]
+    finally:
+        for proc in procs:
+            _kill_group(proc)
+
+
+def test_train_agn_under_torchrun_a_killed_worker_still_leaves_a_checkpoint(tmp_path):
+    """torchrun tears the job down when a worker dies (SIGTERM): the server saves its center first."""
+    path = tmp_path / "ps.pt"
+    command = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc-per-node",
+        "3",
+        "--master-addr",
+        "127.0.0.1",
+    ]
+    command += ["--master-port", str(free_port()), str(SCRIPT), "--steps", "400", "--checkpoint", str(path)]
+    command += ["--checkpoint-every", "1000000"]
+    proc = subprocess.Popen(
+        command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True
+    )
+    try:
+        lines: list[str] = []
+        pid = int(_wait_for_line(proc, r"worker2: joined at global_step \d+ \(pid (\d+)\)", lines, 60)[1])
+        _wait_for_line(proc, r"worker2: step 100 ", lines, 60)
+        os.kill(pid, signal.SIGKILL)
+        output = "".join(lines) + proc.communicate(timeout=GROUP_DEADLINE_S)[0]
+        assert proc.returncode != 0, output
+    finally:
+        _kill_group(proc)
+    assert path.exists(), output
+    restored = ParameterServer(
+        [torch.zeros(32, 16), torch.zeros(32), torch.zeros(4, 32), torch.zeros(4)],
+        lambda ps: tgo.AdamOptimizer(ps, 0.01),
+        2,
+        restore_from=path,
+    )
+    assert restored.global_step > 0
