@@ -369,7 +369,7 @@ def cannot_start_then_early_death(rank: int, world: int, options: dict[str, Any]
     else:
         start = time.monotonic()
         try:
-            AGNOptimizer(_gd([torch.zeros(1)]), world - 1, 1, server="ps", startup_timeout=30)
+            AGNOptimizer(_gd([torch.zeros(1)]), world - 1, 1, server="ps", startup_timeout=60)
         except AGNError as e:
             refused = {"error": f"{type(e).__name__}: {e}", "seconds": time.monotonic() - start}
     next_phase()

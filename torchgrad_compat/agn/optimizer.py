@@ -125,6 +125,7 @@ class AGNOptimizer(OptimizerWrapper):
         self.local_step = 0
         self.global_step = 0
         self._seq = 0
+        self._unacked: tuple[int, dict[int, Tensor]] | None = None  # a push whose answer did not arrive
         specs = [(tuple(p.shape), p.dtype) for p in params]
         self._session, center, self.global_step = self._endpoint.join(
             num_worker, specs, startup_timeout=startup_timeout
@@ -177,7 +178,8 @@ class AGNOptimizer(OptimizerWrapper):
                 global_step.add_(1)
 
     def finish(self) -> int:
-        """Tell the server this worker is done; the server's ``global_step``."""
+        """Send a push still unacknowledged, then tell the server this worker is done; its ``global_step``."""
+        self._send_unacked()
         return self._endpoint.request("finish", self._session)
 
     def _accumulate(self, grads: list[Tensor | None]) -> None:
@@ -211,27 +213,49 @@ class AGNOptimizer(OptimizerWrapper):
                 self._pending.add(i)
 
     def _count_step(self) -> bool:
-        """Count a local step; push and pull when it completes a period. Whether it did."""
+        """Count a local step; push and pull when it completes a period. Whether it pushed."""
         self.local_step += 1
         if self.local_step % self.communication_period:
             return False
+        self._send_unacked()
+        pushed = self._take_push()
+        if not pushed:
+            return False
+        self._seq += 1
+        self._unacked = (self._seq, pushed)
+        self._send_unacked()
+        return True
+
+    def _take_push(self) -> dict[int, Tensor]:
+        """The period's normalized gradients, by parameter index; the accumulators start over."""
         pending, divisor = sorted(self._pending), self.communication_period
         if self._applied is not None:
             counts = torch.stack([self._applied, *self._seen]).tolist()  # the one host read per period
             divisor = int(counts[0])
             pending = [i for i in pending if counts[1 + i]]
         pushed = {i: self._accumulators[i] / divisor for i in pending}
-        if pushed:
-            self._seq += 1
-            center, self.global_step = self._endpoint.request("push", self._session, self._seq, pushed)
-            self._pull(center)
         with torch.no_grad():
             for a in [*self._accumulators, *self._seen]:
                 a.zero_()
             if self._applied is not None:
                 self._applied.zero_()
         self._pending.clear()
-        return bool(pushed)
+        return pushed
+
+    def _send_unacked(self) -> None:
+        """Send the push the server has not acknowledged yet, if any, and pull the center it answers.
+
+        A push whose answer did not arrive (a timeout, a dropped connection) is
+        sent again with the same sequence number at the next communication or
+        at ``finish()``; the server applies a sequence number at most once, so
+        the push counts once whether or not the first attempt reached it.
+        """
+        if self._unacked is None:
+            return
+        seq, pushed = self._unacked
+        center, self.global_step = self._endpoint.request("push", self._session, seq, pushed)
+        self._unacked = None
+        self._pull(center)
 
     def _pull(self, center: list[Tensor]) -> None:
         with torch.no_grad():

@@ -37,6 +37,7 @@ __all__ = [
 
 CHECKPOINT_FORMAT = "torchgrad_compat.agn.server/1"
 CHECKPOINT_KEYS = ("center", "format", "global_step", "optimizer", "sha256")
+PROBES_MISSED_BEFORE_DEAD = 3  # consecutive liveness probes a worker misses before it counts as dead
 
 
 class AGNError(RuntimeError):
@@ -480,6 +481,8 @@ def serve(
 ) -> list[Tensor]:
     """Wait until every worker has finished or died, probing running workers every ``liveness_interval`` s.
 
+    A worker that misses ``PROBES_MISSED_BEFORE_DEAD`` probes in a row is dead.
+
     ``peers``: workers the transport knows of; one that dies before it joins
     is marked dead too, so the server does not wait for it forever.
 
@@ -487,11 +490,14 @@ def serve(
     :class:`AGNWorkerLostWarning` naming the workers that died.
     """
     peers = list(peers)
+    misses: dict[str, int] = {}
     while not server.wait(liveness_interval):
         with server._lock:
             unjoined = [w for w in peers if w not in server.workers]
         for worker in server.running_workers() + unjoined:
-            if not is_alive(worker):
+            # A dead peer fails every probe at once; a live one on a loaded host may miss one.
+            misses[worker] = 0 if is_alive(worker) else misses.get(worker, 0) + 1
+            if misses[worker] >= PROBES_MISSED_BEFORE_DEAD:
                 server.mark_dead(worker)
     dead = server.dead_workers()
     if dead:
