@@ -26,7 +26,11 @@ def serve(address: str, num_worker: int, options: dict[str, Any], results: Any) 
     from torchgrad_compat.agn.grpc_transport import GrpcServerHost
 
     try:
-        host = GrpcServerHost(address, TOKEN, lease=options.get("lease", 10.0))
+        tls = {}
+        if "certificate" in options:
+            with open(options["certificate"], "rb") as c, open(options["key"], "rb") as k:
+                tls = {"certificate_chain": c.read(), "private_key": k.read()}
+        host = GrpcServerHost(address, TOKEN, lease=options.get("lease", 10.0), **tls)
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always", AGNWorkerLostWarning)
             center = run_parameter_server(

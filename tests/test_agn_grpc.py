@@ -12,7 +12,9 @@ from __future__ import annotations
 import multiprocessing
 import os
 import queue
+import shutil
 import socket
+import subprocess
 import time
 from typing import Any
 
@@ -152,3 +154,40 @@ def test_grpc_a_worker_without_a_server_gives_up_within_startup_timeout():
         )
     assert time.monotonic() - start < 10
     endpoint.close()
+
+
+def test_grpc_over_tls_serves_workers_that_trust_its_certificate(tmp_path):
+    if shutil.which("openssl") is None:
+        pytest.skip("needs the openssl command to make a test certificate")
+    cert, key = tmp_path / "cert.pem", tmp_path / "key.pem"
+    command = [
+        "openssl",
+        "req",
+        "-x509",
+        "-newkey",
+        "rsa:2048",
+        "-nodes",
+        "-days",
+        "1",
+        "-subj",
+        "/CN=127.0.0.1",
+    ]
+    command += ["-addext", "subjectAltName=IP:127.0.0.1", "-keyout", str(key), "-out", str(cert)]
+    subprocess.run(
+        command,
+        check=True,
+        capture_output=True,
+        timeout=60,
+    )
+    proc, results, address = _start_server(1, certificate=str(cert), key=str(key))
+    plain = GrpcEndpoint(address, "worker1", TOKEN, timeout=2)
+    with pytest.raises(AGNServerUnavailableError, match="was not serving within startup_timeout=2"):
+        plain.join(1, [((3,), torch.float32)], startup_timeout=2)
+    plain.close()
+    endpoint = GrpcEndpoint(address, "worker1", TOKEN, root_certificates=cert.read_bytes())
+    p = torch.zeros(3)
+    opt = AGNOptimizer(tgo.GradientDescentOptimizer([p], 1.0), 1, 1, server=endpoint, startup_timeout=30)
+    opt.apply_gradients([(torch.ones(3), p)])
+    assert opt.finish() == 1
+    endpoint.close()
+    assert _result(proc, results)["center"] == [[-1.0] * 3]
