@@ -4,6 +4,7 @@
     torchrun --nproc-per-node 5 scripts/train_agn.py --period 16 --optimizer momentum
     torchrun --nproc-per-node 3 scripts/train_agn.py --checkpoint /tmp/ps.pt --checkpoint-every 10
     torchrun --nproc-per-node 3 scripts/train_agn.py --restore /tmp/ps.pt   # continue from it
+    AGN_TOKEN=$(openssl rand -hex 16) torchrun --nproc-per-node 3 scripts/train_agn.py --transport grpc
 
 Rank 0 runs :func:`run_parameter_server`; every other rank is a worker that
 trains on its own shard of a synthetic classification task (16 features, 4
@@ -12,7 +13,10 @@ The server prints the accuracy of the center parameters on held-out data
 before and after.
 
 RPC listens on ``MASTER_ADDR`` only (torchrun's default: 127.0.0.1). torch RPC
-has no authentication: run it on a trusted network only.
+has no authentication: run it on a trusted network only. ``--transport grpc``
+uses gRPC instead (``pip install grpcio``): the server listens on
+``MASTER_ADDR:--grpc-port`` and every request must carry the shared token in
+``AGN_TOKEN``.
 
 Every wait is bounded: the rendezvous and the first contact with the server
 (``--startup-timeout``), each request (``--rpc-timeout``). A worker that dies
@@ -28,6 +32,7 @@ from __future__ import annotations
 import argparse
 import os
 import time
+from typing import Any
 
 import torch
 import torch.distributed.rpc as rpc
@@ -63,7 +68,7 @@ def accuracy(model: nn.Module, data: tuple[Tensor, Tensor]) -> float:
         return (model(x).argmax(dim=1) == y).float().mean().item()
 
 
-def serve(args: argparse.Namespace, num_worker: int) -> None:
+def serve(args: argparse.Namespace, num_worker: int, transport: Any = None) -> None:
     model = make_model(args.seed)
     held_out = make_data(10_000, 2_000)
     start_from = (
@@ -80,6 +85,7 @@ def serve(args: argparse.Namespace, num_worker: int) -> None:
         checkpoint_path=args.checkpoint,
         checkpoint_every=args.checkpoint_every,
         restore_from=args.restore,
+        transport=transport,
     )
     with torch.no_grad():
         for p, c in zip(model.parameters(), center, strict=True):
@@ -91,13 +97,13 @@ def serve(args: argparse.Namespace, num_worker: int) -> None:
     )
 
 
-def work(args: argparse.Namespace, rank: int, num_worker: int) -> None:
+def work(args: argparse.Namespace, rank: int, num_worker: int, server: Any = "ps") -> None:
     model = make_model(args.seed + rank)  # AGNOptimizer replaces these with the server's parameters
     opt = AGNOptimizer(
         OPTIMIZERS[args.optimizer](list(model.parameters()), args.lr),
         num_worker,
         args.period,
-        server="ps",
+        server=server,
         startup_timeout=args.startup_timeout,
     )
     print(f"worker{rank}: joined at global_step {opt.global_step} (pid {os.getpid()})", flush=True)
@@ -129,7 +135,15 @@ def main() -> None:
     parser.add_argument("--checkpoint", default=None, help="server checkpoint file")
     parser.add_argument("--checkpoint-every", type=int, default=0, help="server updates between checkpoints")
     parser.add_argument("--restore", default=None, help="server checkpoint to continue from")
+    parser.add_argument("--transport", choices=["rpc", "grpc"], default="rpc")
+    parser.add_argument("--grpc-port", type=int, default=29600, help="grpc: the server's port")
     args = parser.parse_args()
+    if args.transport == "grpc":
+        token = os.environ.get("AGN_TOKEN")
+        if not token:
+            parser.error("--transport grpc needs the shared secret in the environment variable AGN_TOKEN")
+        run_over_grpc(args, token)
+        return
 
     name = init_rpc_from_env(rpc_timeout=args.rpc_timeout, startup_timeout=args.startup_timeout)
     info = rpc.get_worker_info()
@@ -143,6 +157,23 @@ def main() -> None:
         # Not graceful: that waits for every process of the group, a killed one too, forever. Nothing is
         # left to exchange: the server has answered each worker's finish() (or found it dead) and lingered.
         rpc.shutdown(graceful=False)
+
+
+def run_over_grpc(args: argparse.Namespace, token: str) -> None:
+    """Rank 0 serves on ``MASTER_ADDR:--grpc-port``; the other ranks reach it with the token."""
+    # Imported here: grpcio is an optional dependency, needed by this transport only.
+    from torchgrad_compat.agn.grpc_transport import GrpcEndpoint, GrpcServerHost
+
+    rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    address = f"{os.environ.get('MASTER_ADDR', '127.0.0.1')}:{args.grpc_port}"
+    if rank == 0:
+        serve(args, world_size - 1, transport=GrpcServerHost(address, token))
+        return
+    endpoint = GrpcEndpoint(address, f"worker{rank}", token, timeout=args.rpc_timeout)
+    try:
+        work(args, rank, world_size - 1, server=endpoint)
+    finally:
+        endpoint.close()
 
 
 if __name__ == "__main__":
