@@ -673,7 +673,7 @@ def test_a_known_worker_that_dies_before_joining_is_not_waited_for():
     a.finish()
     host.dead.add("b")  # never joined
     done = []
-    thread = threading.Thread(target=lambda: done.append(serve(server, host.is_alive, 0.01, host.peers())))
+    thread = threading.Thread(target=lambda: done.append(serve(server, host.is_alive, 0.01, host.peers)))
     with pytest.warns(AGNWorkerLostWarning, match=r"\['b'\]"):
         thread.start()
         thread.join(timeout=10)

@@ -20,8 +20,9 @@ Trust model:
 * The server listens on the given address only.
 
 Liveness: a worker's endpoint sends a heartbeat every ``heartbeat_interval``
-seconds; the server counts a worker as alive while it has heard from it
-within ``lease`` seconds.
+seconds from its creation; the server counts a worker as alive while it has
+heard from it within ``lease`` seconds, so one that dies, even before it
+joins, is lost once its lease runs out.
 """
 
 from __future__ import annotations
@@ -138,6 +139,11 @@ class GrpcServerHost(ServerHost):
         with self._lock:
             heard = self._heard.get(worker)
         return heard is not None and time.monotonic() - heard < self._lease
+
+    def peers(self) -> list[str]:
+        """Every worker heard from, a heartbeat being enough: one that dies before it joins is lost."""
+        with self._lock:
+            return list(self._heard)
 
     def refuse(self, name: str, reason: str) -> set[str]:
         self._listen()

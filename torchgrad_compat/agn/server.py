@@ -477,23 +477,24 @@ def serve(
     server: ParameterServer,
     is_alive: Callable[[str], bool],
     liveness_interval: float,
-    peers: Iterable[str] = (),
+    peers: Callable[[], Iterable[str]] = list,
 ) -> list[Tensor]:
     """Wait until every worker has finished or died, probing running workers every ``liveness_interval`` s.
 
     A worker that misses ``PROBES_MISSED_BEFORE_DEAD`` probes in a row is dead.
 
-    ``peers``: workers the transport knows of; one that dies before it joins
-    is marked dead too, so the server does not wait for it forever.
+    ``peers()``: the workers the transport knows of (asked at every probe); one
+    that dies before it joins is marked dead too, so the server does not wait
+    for it forever.
 
     Returns copies of the final center tensors; warns with
     :class:`AGNWorkerLostWarning` naming the workers that died.
     """
-    peers = list(peers)
     misses: dict[str, int] = {}
     while not server.wait(liveness_interval):
+        known = list(peers())
         with server._lock:
-            unjoined = [w for w in peers if w not in server.workers]
+            unjoined = [w for w in known if w not in server.workers]
         for worker in server.running_workers() + unjoined:
             # A dead peer fails every probe at once; a live one on a loaded host may miss one.
             misses[worker] = 0 if is_alive(worker) else misses.get(worker, 0) + 1
@@ -588,7 +589,7 @@ def run_parameter_server(
         with _terminate_as_exit():
             host.start(server)
             serving = True
-            return serve(server, host.is_alive, liveness_interval, host.peers())
+            return serve(server, host.is_alive, liveness_interval, host.peers)
     except BaseException:
         if serving and checkpoint_path is not None:
             _last_save(server)

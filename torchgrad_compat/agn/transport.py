@@ -97,7 +97,7 @@ class ServerHost(ABC):
         """Whether ``worker`` still answers (a worker that does not is marked dead)."""
 
     def peers(self) -> list[str]:
-        """The workers this transport knows of before they join (probed, so that one dying early ends)."""
+        """The workers this transport knows of, joined or not (probed, so that one dying early ends)."""
         return []
 
     @abstractmethod
