@@ -86,6 +86,7 @@ def serve(args: argparse.Namespace, num_worker: int, transport: Any = None) -> N
         checkpoint_every=args.checkpoint_every,
         restore_from=args.restore,
         transport=transport,
+        join_timeout=2 * args.startup_timeout,  # a worker that never makes contact is not waited for forever
     )
     with torch.no_grad():
         for p, c in zip(model.parameters(), center, strict=True):

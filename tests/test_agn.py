@@ -944,3 +944,27 @@ def test_a_push_whose_answer_was_lost_is_sent_again_and_counted_once():
     with pytest.raises(AGNServerUnavailableError):
         opt.apply_gradients([(torch.full((1,), 4.0), p)])
     assert opt.finish() == 3 and server.center[0].item() == -7.0
+
+
+def test_join_timeout_bounds_the_wait_for_workers_that_never_make_contact():
+    from torchgrad_compat.agn import run_parameter_server
+
+    host = LocalServerHost()
+
+    def worker() -> None:
+        p = torch.zeros(1)
+        opt = AGNOptimizer(_gd([p]), 3, 1, server=host.endpoint("w"), startup_timeout=10)
+        opt.apply_gradients([(torch.ones(1), p)])
+        opt.finish()
+
+    thread = threading.Thread(target=worker)
+    thread.start()
+    start = time.monotonic()
+    with pytest.warns(AGNWorkerLostWarning, match=r"2 never joined within join_timeout=1.5 s"):
+        center = run_parameter_server(
+            [torch.zeros(1)], _gd, 3, transport=host, liveness_interval=0.05, join_timeout=1.5
+        )
+    thread.join(timeout=10)
+    assert center[0].item() == -1.0 and 1.5 <= time.monotonic() - start < 10
+    with pytest.raises(ValueError, match="Invalid join_timeout value: 0"):
+        run_parameter_server([torch.zeros(1)], _gd, 1, transport=LocalServerHost(), join_timeout=0)

@@ -161,6 +161,7 @@ class ParameterServer:
             )
         self.global_step = 0
         self.workers: dict[str, _Worker] = {}
+        self._awaited = num_worker  # workers to end before done
         self._checkpoint_path = None if checkpoint_path is None else _writable(checkpoint_path)
         self._checkpoint_every = checkpoint_every
         self._save_due = False  # a save failed; try again after the next update
@@ -253,9 +254,17 @@ class ParameterServer:
     # ------------------------------------------------------------------ waiting
     @property
     def done(self) -> bool:
-        """Every one of ``num_worker`` workers has finished or died."""
+        """Every awaited worker finished or died (``num_worker``, fewer after ``stop_waiting_for_absent``)."""
         ended = sum(r.state != "running" for r in self.workers.values())
-        return ended >= self.num_worker
+        return ended >= self._awaited
+
+    def stop_waiting_for_absent(self) -> int:
+        """Wait no longer for workers that have not joined; how many that is."""
+        with self._lock:
+            absent = max(0, self._awaited - len(self.workers))
+            self._awaited -= absent
+            self._changed.notify_all()
+            return absent
 
     def running_workers(self) -> list[str]:
         with self._lock:
@@ -478,6 +487,7 @@ def serve(
     is_alive: Callable[[str], bool],
     liveness_interval: float,
     peers: Callable[[], Iterable[str]] = list,
+    join_timeout: float | None = None,
 ) -> list[Tensor]:
     """Wait until every worker has finished or died, probing running workers every ``liveness_interval`` s.
 
@@ -485,13 +495,19 @@ def serve(
 
     ``peers()``: the workers the transport knows of (asked at every probe); one
     that dies before it joins is marked dead too, so the server does not wait
-    for it forever.
+    for it forever. After ``join_timeout`` seconds (None: no limit) it waits
+    no longer for workers that have not joined.
 
     Returns copies of the final center tensors; warns with
     :class:`AGNWorkerLostWarning` naming the workers that died.
     """
     misses: dict[str, int] = {}
+    join_deadline = None if join_timeout is None else time.monotonic() + join_timeout
+    absent = 0
     while not server.wait(liveness_interval):
+        if join_deadline is not None and time.monotonic() >= join_deadline:
+            absent, join_deadline = server.stop_waiting_for_absent(), None
+            continue
         known = list(peers())
         with server._lock:
             unjoined = [w for w in known if w not in server.workers]
@@ -501,9 +517,10 @@ def serve(
             if misses[worker] >= PROBES_MISSED_BEFORE_DEAD:
                 server.mark_dead(worker)
     dead = server.dead_workers()
-    if dead:
+    if dead or absent:
+        never = f"; {absent} never joined within join_timeout={join_timeout} s" if absent else ""
         warnings.warn(
-            f"AGN server {server.name!r}: worker(s) {dead} stopped answering before finish(); "
+            f"AGN server {server.name!r}: worker(s) {dead} stopped answering before finish(){never}; "
             f"the server served the others to the end ({server.global_step} updates)",
             AGNWorkerLostWarning,
             stacklevel=2,
@@ -524,6 +541,7 @@ def run_parameter_server(
     liveness_interval: float = 1.0,
     transport: Any = None,
     refuse_for: float = 30.0,
+    join_timeout: float | None = None,
 ) -> list[Tensor]:
     """Serve AGN workers until each of ``num_worker`` has called ``finish()`` or died; the final center.
 
@@ -556,6 +574,10 @@ def run_parameter_server(
         transport: the server side of a transport (default: RPC,
             :class:`~torchgrad_compat.agn.transport.RpcServerHost`).
         refuse_for: seconds a server that could not start keeps telling workers why.
+        join_timeout: seconds after which the server waits no longer for
+            workers that have not joined (None: as long as it takes; over RPC a
+            worker that dies is noticed anyway, over gRPC one that never made
+            contact is not). They are counted in the ``AGNWorkerLostWarning``.
 
     Raises:
         ValueError: ``num_worker < 1``, an empty ``params``, or ``name`` is not
@@ -569,6 +591,8 @@ def run_parameter_server(
             raise ValueError(f"liveness_interval must be a number > 0, got {liveness_interval!r}")
         if not (isinstance(refuse_for, (int, float)) and refuse_for >= 0):
             raise ValueError(f"Invalid refuse_for value: {refuse_for!r}; expected a number >= 0")
+        if join_timeout is not None and not (isinstance(join_timeout, (int, float)) and join_timeout > 0):
+            raise ValueError(f"Invalid join_timeout value: {join_timeout!r}; expected None or a number > 0")
         server = ParameterServer(
             params,
             optimizer_fn,
@@ -589,7 +613,7 @@ def run_parameter_server(
         with _terminate_as_exit():
             host.start(server)
             serving = True
-            return serve(server, host.is_alive, liveness_interval, host.peers)
+            return serve(server, host.is_alive, liveness_interval, host.peers, join_timeout)
     except BaseException:
         if serving and checkpoint_path is not None:
             _last_save(server)
