@@ -12,7 +12,8 @@ peer can make this process run any importable function (PyTorch's SECURITY.md:
 "for internal communication only … not built for use in untrusted
 environments or networks"). Use it on a trusted network only. The server's own
 entry point dispatches to the four requests above and nothing else, which
-limits what AGN itself exposes but is no security boundary.
+limits what AGN itself exposes but is no security boundary. For a shared host
+or network, ``grpc_transport.py`` authenticates every call.
 """
 
 from __future__ import annotations
