@@ -227,6 +227,8 @@ def bad_input(rank: int, world: int, options: dict[str, Any]) -> Any:
         "index": {5: torch.ones(2, 3)},
         "sparse": {0: torch.ones(2, 3).to_sparse()},
         "not_a_dict": [torch.ones(2, 3)],
+        "nan": {0: torch.full((2, 3), float("nan"))},
+        "inf": {0: torch.full((2, 3), float("inf"))},
     }
     for label, push in bad.items():
         try:
@@ -239,6 +241,19 @@ def bad_input(rank: int, world: int, options: dict[str, Any]) -> Any:
             AGNOptimizer(tgo.GradientDescentOptimizer([q], 1.0), kwargs.get("num_worker", 1), 1, server="ps")
         except ValueError as e:
             errors[f"join_{label}"] = f"{type(e).__name__}: {e}"
+    # Another caller using this worker's name, over RPC: no join, push or finish in its place.
+    intruder = RpcEndpoint("ps", worker="worker1")
+    for label, call in {
+        "intruder_join": lambda: intruder.join(1, [((2, 3), torch.float32)], startup_timeout=5),
+        "intruder_push": lambda: intruder.request(
+            "push", (opt._session[0], "0" * 32), 100, {0: torch.ones(2, 3)}
+        ),
+        "intruder_finish": lambda: intruder.request("finish", (opt._session[0], "0" * 32)),
+    }.items():
+        try:
+            call()
+        except AGNError as e:
+            errors[label] = f"{type(e).__name__}: {e}"
     opt.apply_gradients([(torch.ones(2, 3), p)])
     return {"errors": errors, "after": p.tolist(), "global_step": opt.global_step, "finished": opt.finish()}
 

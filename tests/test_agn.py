@@ -440,6 +440,9 @@ def test_rpc_bad_input_gets_clear_errors_and_the_server_keeps_serving(one_worker
     assert "dtype=torch.float64" in errors["dtype"] and "names parameter 5" in errors["index"]
     assert errors["sparse"].startswith("TypeError") and errors["not_a_dict"].startswith("TypeError")
     assert "num_worker=2" in errors["join_num_worker"] and "(3,)" in errors["join_shape"]
+    assert all("non-finite values" in errors[k] for k in ("nan", "inf")), errors
+    assert "a worker named 'worker1' is running" in errors["intruder_join"], errors
+    assert all("wrong session key" in errors[k] for k in ("intruder_push", "intruder_finish")), errors
     assert worker["after"] == [[-1.0] * 3] * 2 and worker["global_step"] == 1
     assert server["center"] == [[[-1.0] * 3] * 2]
 
