@@ -21,6 +21,20 @@ def encode(value: Any) -> bytes:
     return buffer.getvalue()
 
 
+class _FailsAt(tgo.GradientDescentOptimizer):
+    """Gradient descent (lr 1) whose update ``at`` raises instead (0: never)."""
+
+    def __init__(self, params: list[torch.Tensor], at: int):
+        super().__init__(params, learning_rate=1.0)
+        self._calls, self._at = 0, at
+
+    def apply_gradients(self, *args: Any, **kwargs: Any) -> None:
+        self._calls += 1
+        if self._calls == self._at:
+            raise RuntimeError("the server's optimizer failed")
+        super().apply_gradients(*args, **kwargs)
+
+
 def serve(address: str, num_worker: int, options: dict[str, Any], results: Any) -> None:
     """Serve ``num_worker`` workers (GD, lr 1, one zeros(3) parameter); report the center and the lost."""
     from torchgrad_compat.agn.grpc_transport import GrpcServerHost
@@ -35,7 +49,7 @@ def serve(address: str, num_worker: int, options: dict[str, Any], results: Any) 
             warnings.simplefilter("always", AGNWorkerLostWarning)
             center = run_parameter_server(
                 [torch.zeros(3)],
-                lambda ps: tgo.GradientDescentOptimizer(ps, 1.0),
+                lambda ps: _FailsAt(ps, options.get("fail_at", 0)),
                 num_worker,
                 liveness_interval=0.2,
                 transport=host,

@@ -229,3 +229,17 @@ def test_train_agn_script_over_grpc_under_torchrun():
     before, after = (float(a) for a in re.findall(r"center accuracy (?:before|after) (\d\.\d+)", output))
     assert after > before + 0.3, output
     assert "worker1: step 60" in output and "worker2: step 60" in output, output
+
+
+def test_grpc_a_failure_inside_the_server_reaches_the_worker_named_and_the_push_is_retried():
+    proc, results, address = _start_server(1, fail_at=2)
+    endpoint = GrpcEndpoint(address, "worker1", TOKEN)
+    p = torch.zeros(3)
+    opt = AGNOptimizer(tgo.GradientDescentOptimizer([p], 1.0), 1, 1, server=endpoint, startup_timeout=30)
+    opt.apply_gradients([(torch.ones(3), p)])
+    with pytest.raises(AGNError, match="failed on 'push': RuntimeError: the server's optimizer failed"):
+        opt.apply_gradients([(torch.ones(3), p)])
+    opt.apply_gradients([(torch.ones(3), p)])  # the failed push goes again, then this one
+    assert opt.finish() == 3
+    endpoint.close()
+    assert _result(proc, results)["center"] == [[-3.0] * 3]

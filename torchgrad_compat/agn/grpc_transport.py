@@ -38,7 +38,7 @@ import grpc
 import torch
 
 from .server import AGNError, AGNServerUnavailableError
-from .transport import _ANSWER_ERRORS, ServerEndpoint, ServerHost, _handle
+from .transport import _ANSWER_ERRORS, ServerEndpoint, ServerHost, _error_answer, _handle
 
 if TYPE_CHECKING:
     from .server import ParameterServer
@@ -202,8 +202,8 @@ class GrpcServerHost(ServerHost):
             if server is None and stopped:
                 raise AGNServerUnavailableError(f"AGN server {self._name!r} has stopped serving")
             return _encode(("ok", _handle(server, self._name, method, worker, args, refusal)))
-        except tuple(_ANSWER_ERRORS.values()) as e:
-            return _encode((type(e).__name__, str(e)))
+        except Exception as e:
+            return _encode(_error_answer(e, self._name, method))
 
 
 class GrpcEndpoint(ServerEndpoint):

@@ -204,8 +204,20 @@ _SERVERS_LOCK = threading.Lock()
 # torch also logs on the server, a traceback per refused request); only these types are rebuilt.
 _ANSWER_ERRORS = {
     e.__name__: e
-    for e in (ValueError, TypeError, AGNError, AGNServerNotReadyError, AGNServerUnavailableError)
+    for e in (AGNServerNotReadyError, AGNServerUnavailableError, AGNError, ValueError, TypeError)
 }
+
+
+def _error_answer(error: Exception, name: str, method: str) -> tuple[str, str]:
+    """``error`` as an answer the worker rebuilds: the closest of ``_ANSWER_ERRORS``, else an AGNError.
+
+    Any other failure of the server (its optimizer raising, say) reaches the
+    worker named as such, not as a connection that did not answer.
+    """
+    for kind, cls in _ANSWER_ERRORS.items():  # most specific first
+        if isinstance(error, cls):
+            return kind, str(error)
+    return "AGNError", f"AGN server {name!r} failed on {method!r}: {type(error).__name__}: {error}"
 
 
 def _rpc_request(name: str, method: str, worker: str, args: tuple) -> tuple[str, Any]:
@@ -219,8 +231,8 @@ def _rpc_request(name: str, method: str, worker: str, args: tuple) -> tuple[str,
         if server is None and stopped and refusal is None:
             raise AGNServerUnavailableError(f"AGN server {name!r} has stopped serving")
         return "ok", _handle(server, name, method, worker, args, refusal)
-    except tuple(_ANSWER_ERRORS.values()) as e:
-        return type(e).__name__, str(e)
+    except Exception as e:
+        return _error_answer(e, name, method)
     finally:
         with _SERVERS_LOCK:
             _IN_FLIGHT[name] -= 1
