@@ -244,7 +244,7 @@ def bad_input(rank: int, world: int, options: dict[str, Any]) -> Any:
     # Another caller using this worker's name, over RPC: no join, push or finish in its place.
     intruder = RpcEndpoint("ps", worker="worker1")
     for label, call in {
-        "intruder_join": lambda: intruder.join(1, [((2, 3), torch.float32)], startup_timeout=5),
+        "intruder_join": lambda: intruder.join(1, [((2, 3), torch.float32)], startup_timeout=0.5),
         "intruder_push": lambda: intruder.request(
             "push", (opt._session[0], "0" * 32), 100, {0: torch.ones(2, 3)}
         ),

@@ -32,6 +32,7 @@ import torchgrad_compat.optim as tgo
 from torchgrad_compat.agn import (
     AGNCheckpointWarning,
     AGNError,
+    AGNNameInUseError,
     AGNOptimizer,
     AGNServerUnavailableError,
     AGNWorkerLostWarning,
@@ -223,8 +224,8 @@ def test_a_worker_cannot_finish_push_or_rejoin_under_another_workers_name():
     p = torch.zeros(1)
     victim = AGNOptimizer(_gd([p]), 2, 1, server=host.endpoint("victim"))
     intruder = host.endpoint("victim")
-    with pytest.raises(AGNError, match="a worker named 'victim' is running"):
-        intruder.join(2, [((1,), torch.float32)], startup_timeout=1)
+    with pytest.raises(AGNNameInUseError, match="a worker named 'victim' is running"):
+        intruder.join(2, [((1,), torch.float32)], startup_timeout=0.3)
     for session in [1, (1, "0" * 32), (1, None)]:
         with pytest.raises(AGNError, match="wrong session key; only the process that joined as 'victim'"):
             intruder.request("finish", session)
@@ -971,3 +972,17 @@ def test_join_timeout_bounds_the_wait_for_workers_that_never_make_contact():
     assert center[0].item() == -1.0 and 1.5 <= time.monotonic() - start < 10
     with pytest.raises(ValueError, match="Invalid join_timeout value: 0"):
         run_parameter_server([torch.zeros(1)], _gd, 1, transport=LocalServerHost(), join_timeout=0)
+
+
+def test_a_restarted_worker_takes_its_name_back_once_the_server_finds_the_old_process_dead():
+    server, host = _local([torch.zeros(1)], _gd, 1)
+    p = torch.zeros(1)
+    old = AGNOptimizer(_gd([p]), 1, 1, server=host.endpoint("w"))
+    old.apply_gradients([(torch.ones(1), p)])
+    # The old process "dies"; the liveness probe finds out a little later than the restart.
+    threading.Timer(0.5, server.mark_dead, args=("w",)).start()
+    start = time.monotonic()
+    restarted = AGNOptimizer(_gd([torch.zeros(1)]), 1, 1, server=host.endpoint("w"), startup_timeout=10)
+    assert 0.4 < time.monotonic() - start < 5 and restarted.global_step == 1
+    with pytest.raises(AGNError, match="incarnation 1 was replaced by 2"):
+        old.apply_gradients([(torch.ones(1), p)])

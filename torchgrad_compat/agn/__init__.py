@@ -9,6 +9,7 @@ from .optimizer import AGNOptimizer
 from .server import (
     AGNCheckpointWarning,
     AGNError,
+    AGNNameInUseError,
     AGNServerNotReadyError,
     AGNServerUnavailableError,
     AGNWorkerLostWarning,
@@ -28,6 +29,7 @@ from .transport import (
 __all__ = [
     "AGNCheckpointWarning",
     "AGNError",
+    "AGNNameInUseError",
     "AGNOptimizer",
     "AGNServerNotReadyError",
     "AGNServerUnavailableError",

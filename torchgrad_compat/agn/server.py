@@ -28,6 +28,7 @@ from ..optim._base import _describe
 __all__ = [
     "AGNCheckpointWarning",
     "AGNError",
+    "AGNNameInUseError",
     "AGNServerNotReadyError",
     "AGNServerUnavailableError",
     "AGNWorkerLostWarning",
@@ -50,6 +51,10 @@ class AGNServerNotReadyError(AGNError):
 
 class AGNServerUnavailableError(AGNError):
     """The AGN server did not answer: it died, stopped answering within the timeout, or never started."""
+
+
+class AGNNameInUseError(AGNError):
+    """A join under the name of a worker that is running; ``join`` retries it up to ``startup_timeout``."""
 
 
 class AGNCheckpointWarning(RuntimeWarning):
@@ -196,7 +201,7 @@ class ParameterServer:
         with self._lock:
             record = self.workers.get(worker)
             if record is not None and record.state == "running" and not self._holds(record, session):
-                raise AGNError(
+                raise AGNNameInUseError(
                     f"AGN server {self.name!r}: a worker named {worker!r} is running (session "
                     f"{record.incarnation}); a name is bound to the process that joined with it. If that "
                     "process died, the server notices within its liveness probe and the name is free again"

@@ -33,7 +33,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.rpc as rpc
 
-from .server import AGNError, AGNServerNotReadyError, AGNServerUnavailableError
+from .server import AGNError, AGNNameInUseError, AGNServerNotReadyError, AGNServerUnavailableError
 
 if TYPE_CHECKING:
     from .server import ParameterServer
@@ -68,11 +68,19 @@ class ServerEndpoint(ABC):
         """Send one request and wait for its answer."""
 
     def join(self, *args: Any, startup_timeout: float) -> Any:
-        """``request("join", ...)``, retried for up to ``startup_timeout`` s while the server is not ready."""
+        """``request("join", ...)``, retried for up to ``startup_timeout`` s while the server is not ready.
+
+        Also retried while the name is in use: a restarted worker waits for the
+        server to find its previous process dead.
+        """
         deadline = time.monotonic() + startup_timeout
         while True:
             try:
                 return self.request("join", *args)
+            except AGNNameInUseError:
+                if time.monotonic() >= deadline:
+                    raise
+                time.sleep(0.05)
             except (AGNServerNotReadyError, AGNServerUnavailableError) as e:
                 if time.monotonic() >= deadline:
                     raise AGNServerUnavailableError(
@@ -204,7 +212,14 @@ _SERVERS_LOCK = threading.Lock()
 # torch also logs on the server, a traceback per refused request); only these types are rebuilt.
 _ANSWER_ERRORS = {
     e.__name__: e
-    for e in (AGNServerNotReadyError, AGNServerUnavailableError, AGNError, ValueError, TypeError)
+    for e in (
+        AGNServerNotReadyError,
+        AGNServerUnavailableError,
+        AGNNameInUseError,
+        AGNError,
+        ValueError,
+        TypeError,
+    )
 }
 
 
