@@ -21,6 +21,7 @@ from torch import Tensor
 
 import torchgrad_compat.optim as tgo
 from torchgrad_compat.agn import (
+    AGNError,
     AGNOptimizer,
     AGNServerNotReadyError,
     AGNServerUnavailableError,
@@ -226,10 +227,12 @@ def bad_input(rank: int, world: int, options: dict[str, Any]) -> Any:
         "index": {5: torch.ones(2, 3)},
         "sparse": {0: torch.ones(2, 3).to_sparse()},
         "not_a_dict": [torch.ones(2, 3)],
+        "nan": {0: torch.full((2, 3), float("nan"))},
+        "inf": {0: torch.full((2, 3), float("inf"))},
     }
     for label, push in bad.items():
         try:
-            opt._endpoint.request("push", opt._incarnation, 100, push)
+            opt._endpoint.request("push", opt._session, 100, push)
         except (ValueError, TypeError) as e:
             errors[label] = f"{type(e).__name__}: {e}"
     for label, kwargs in {"num_worker": {"num_worker": 2}, "shape": {"shape": (3,)}}.items():
@@ -238,6 +241,19 @@ def bad_input(rank: int, world: int, options: dict[str, Any]) -> Any:
             AGNOptimizer(tgo.GradientDescentOptimizer([q], 1.0), kwargs.get("num_worker", 1), 1, server="ps")
         except ValueError as e:
             errors[f"join_{label}"] = f"{type(e).__name__}: {e}"
+    # Another caller using this worker's name, over RPC: no join, push or finish in its place.
+    intruder = RpcEndpoint("ps", worker="worker1")
+    for label, call in {
+        "intruder_join": lambda: intruder.join(1, [((2, 3), torch.float32)], startup_timeout=0.5),
+        "intruder_push": lambda: intruder.request(
+            "push", (opt._session[0], "0" * 32), 100, {0: torch.ones(2, 3)}
+        ),
+        "intruder_finish": lambda: intruder.request("finish", (opt._session[0], "0" * 32)),
+    }.items():
+        try:
+            call()
+        except AGNError as e:
+            errors[label] = f"{type(e).__name__}: {e}"
     opt.apply_gradients([(torch.ones(2, 3), p)])
     return {"errors": errors, "after": p.tolist(), "global_step": opt.global_step, "finished": opt.finish()}
 
@@ -356,9 +372,36 @@ def _checkpoint_worker(pushes: int) -> dict[str, Any]:
     return {"joined_at": joined, "finished_at": opt.finish()}
 
 
+def cannot_start_then_early_death(rank: int, world: int, options: dict[str, Any]) -> Any:
+    """A server with a corrupt checkpoint tells every worker at once; then a worker dies before it joins."""
+    if rank == 0:
+        try:
+            run_parameter_server(
+                [torch.zeros(1)], _gd, world - 1, restore_from=options["corrupt"], refuse_for=20
+            )
+        except ValueError as e:
+            refused = str(e)
+    else:
+        start = time.monotonic()
+        try:
+            AGNOptimizer(_gd([torch.zeros(1)]), world - 1, 1, server="ps", startup_timeout=60)
+        except AGNError as e:
+            refused = {"error": f"{type(e).__name__}: {e}", "seconds": time.monotonic() - start}
+    next_phase()
+    if rank == 0:
+        return refused, _serve(world, options, [torch.zeros(1)], _gd)
+    if rank == world - 1:
+        os.kill(os.getpid(), 9)
+    p = torch.zeros(1)
+    opt = AGNOptimizer(_gd([p]), world - 1, 1, server="ps")
+    opt.apply_gradients([(torch.ones(1), p)])
+    return refused, opt.finish()
+
+
 SCENARIOS: dict[str, Callable[[int, int, dict[str, Any]], Any]] = {
     "one_worker_phases": one_worker_phases,
     "golden_two_then_server_dies": golden_two_then_server_dies,
     "concurrent_one_dies": concurrent_one_dies,
     "checkpointed": checkpointed,
+    "cannot_start_then_early_death": cannot_start_then_early_death,
 }

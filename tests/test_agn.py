@@ -15,6 +15,7 @@ import multiprocessing
 import os
 import re
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -29,10 +30,13 @@ from _procs import free_port, run_ranks
 
 import torchgrad_compat.optim as tgo
 from torchgrad_compat.agn import (
+    AGNCheckpointWarning,
     AGNError,
+    AGNNameInUseError,
     AGNOptimizer,
     AGNServerUnavailableError,
     AGNWorkerLostWarning,
+    LocalEndpoint,
     LocalServerHost,
     ParameterServer,
 )
@@ -206,13 +210,31 @@ def test_concurrent_pushes_are_applied_exactly_once_each():
 def test_a_repeated_push_is_not_applied_twice_and_a_replaced_incarnation_is_refused():
     _, host = _local([torch.zeros(1)], _gd, 1)
     ep = host.endpoint("w")
-    incarnation, _, _ = ep.join(1, [((1,), torch.float32)], startup_timeout=1)
-    ep.request("push", incarnation, 1, {0: torch.ones(1)})
-    center, step = ep.request("push", incarnation, 1, {0: torch.ones(1)})
+    session, _, _ = ep.join(1, [((1,), torch.float32)], startup_timeout=1)
+    ep.request("push", session, 1, {0: torch.ones(1)})
+    center, step = ep.request("push", session, 1, {0: torch.ones(1)})
     assert step == 1 and center[0].item() == -1.0
-    ep.join(1, [((1,), torch.float32)], startup_timeout=1)
+    ep.join(1, [((1,), torch.float32)], session, startup_timeout=1)
     with pytest.raises(AGNError, match="incarnation 1 was replaced by 2"):
-        ep.request("push", incarnation, 2, {0: torch.ones(1)})
+        ep.request("push", session, 2, {0: torch.ones(1)})
+
+
+def test_a_worker_cannot_finish_push_or_rejoin_under_another_workers_name():
+    server, host = _local([torch.zeros(1)], _gd, 2)
+    p = torch.zeros(1)
+    victim = AGNOptimizer(_gd([p]), 2, 1, server=host.endpoint("victim"))
+    intruder = host.endpoint("victim")
+    with pytest.raises(AGNNameInUseError, match="a worker named 'victim' is running"):
+        intruder.join(2, [((1,), torch.float32)], startup_timeout=0.3)
+    for session in [1, (1, "0" * 32), (1, None)]:
+        with pytest.raises(AGNError, match="wrong session key; only the process that joined as 'victim'"):
+            intruder.request("finish", session)
+        with pytest.raises(AGNError, match="wrong session key"):
+            intruder.request("push", session, 7, {0: torch.ones(1)})
+    victim.apply_gradients([(torch.ones(1), p)])
+    assert server.global_step == 1 and victim.finish() == 1
+    host.dead.add("victim")  # a finished (or dead) worker's name may be taken by a restarted process
+    AGNOptimizer(_gd([torch.zeros(1)]), 2, 1, server=host.endpoint("victim"))
 
 
 @pytest.mark.parametrize(
@@ -236,7 +258,7 @@ def test_bad_pushes_are_refused_and_leave_the_server_unchanged(push, error, matc
     opt = AGNOptimizer(_gd([p]), 1, 1, server=host.endpoint("w"))
     before = server.state_dict()
     with pytest.raises(error, match=match):
-        opt._endpoint.request("push", opt._incarnation, 5, push)
+        opt._endpoint.request("push", opt._session, 5, push)
     after = server.state_dict()
     assert torch.equal(before["center"][0], after["center"][0]) and after["global_step"] == 0
     opt.apply_gradients([(torch.ones(2, 3), p)])
@@ -341,7 +363,13 @@ def test_checkpoint_is_weights_only_and_a_restored_server_continues_bitwise(tmp_
     for seq, push in enumerate(pushes[:5], 1):
         first.push("w", inc, seq, push)
     saved = torch.load(path, weights_only=True)
-    assert saved["global_step"] == 4 and sorted(saved) == ["center", "format", "global_step", "optimizer"]
+    assert saved["global_step"] == 4 and sorted(saved) == [
+        "center",
+        "format",
+        "global_step",
+        "optimizer",
+        "sha256",
+    ]
 
     second = ParameterServer([torch.zeros(5)], adam, 1, restore_from=path)
     inc, center, step = second.join("w", 1, [((5,), torch.float32)])
@@ -413,6 +441,9 @@ def test_rpc_bad_input_gets_clear_errors_and_the_server_keeps_serving(one_worker
     assert "dtype=torch.float64" in errors["dtype"] and "names parameter 5" in errors["index"]
     assert errors["sparse"].startswith("TypeError") and errors["not_a_dict"].startswith("TypeError")
     assert "num_worker=2" in errors["join_num_worker"] and "(3,)" in errors["join_shape"]
+    assert all("non-finite values" in errors[k] for k in ("nan", "inf")), errors
+    assert "a worker named 'worker1' is running" in errors["intruder_join"], errors
+    assert all("wrong session key" in errors[k] for k in ("intruder_push", "intruder_finish")), errors
     assert worker["after"] == [[-1.0] * 3] * 2 and worker["global_step"] == 1
     assert server["center"] == [[[-1.0] * 3] * 2]
 
@@ -490,3 +521,468 @@ def test_train_agn_script_under_torchrun(tmp_path):
     before, after = (float(a) for a in re.findall(r"center accuracy (?:before|after) (\d\.\d+)", output))
     assert after > before + 0.3, output
     assert re.search(r"worker1: step 60 .* global_step \d+", output) and "worker2: step 60" in output, output
+
+
+# ---------------------------------------------------------------------- faults: checkpoints and poison
+def test_checkpoint_path_in_a_missing_directory_is_refused_at_start(tmp_path):
+    path = tmp_path / "missing" / "ps.pt"
+    with pytest.raises(ValueError, match=r"Invalid checkpoint_path value: .*missing.*; expected a file in"):
+        ParameterServer([torch.zeros(1)], _gd, 1, checkpoint_path=path, checkpoint_every=1)
+
+
+def test_a_failed_save_neither_fails_nor_repeats_the_push(tmp_path):
+    """The directory vanishes mid-run: every push is applied exactly once, the server warns and retries."""
+    folder = tmp_path / "ckpt"
+    folder.mkdir()
+    server, host = _local([torch.zeros(1)], _gd, 1, checkpoint_path=folder / "ps.pt", checkpoint_every=1)
+    p = torch.zeros(1)
+    opt = AGNOptimizer(_gd([p]), 1, 1, server=host.endpoint("w"))
+    opt.apply_gradients([(torch.ones(1), p)])
+    (folder / "ps.pt").unlink()
+    folder.rmdir()
+    with pytest.warns(AGNCheckpointWarning, match=r"could not save its checkpoint .*ps.pt at update 2"):
+        opt.apply_gradients([(torch.ones(1), p)])
+    with pytest.warns(AGNCheckpointWarning, match="at update 3"):
+        opt.apply_gradients([(torch.ones(1), p)])
+    assert server.global_step == 3 and server.center[0].item() == -3.0 and p.item() == -3.0
+    folder.mkdir()
+    opt.apply_gradients([(torch.ones(1), p)])
+    assert torch.load(folder / "ps.pt", weights_only=True)["global_step"] == 4
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), -float("inf")], ids=["nan", "inf", "-inf"])
+def test_non_finite_pushes_are_refused_and_leave_the_center_unchanged(bad):
+    server, host = _local([torch.zeros(3)], lambda ps: torch.optim.Adam(ps, lr=0.1), 2)
+    p = torch.zeros(3)
+    opt = AGNOptimizer(_gd([p]), 2, 1, server=host.endpoint("w"))
+    with pytest.raises(ValueError, match=r"push from worker 'w': gradient 0 has non-finite values"):
+        opt.apply_gradients([(torch.tensor([1.0, bad, 1.0]), p)])
+    assert server.global_step == 0 and torch.equal(server.center[0], torch.zeros(3))
+    assert server.optimizer.state_dict()["state"] == {}
+
+
+def _saved_checkpoint(tmp_path: Path) -> Path:
+    path = tmp_path / "ps.pt"
+    server = ParameterServer(
+        [torch.zeros(4)], lambda ps: tgo.AdamOptimizer(ps, 0.1), 1, checkpoint_path=path, checkpoint_every=1
+    )
+    inc, _, _ = server.join("w", 1, [((4,), torch.float32)])
+    server.push("w", inc, 1, {0: torch.arange(4.0)})
+    return path
+
+
+def test_a_checkpoint_with_flipped_bytes_is_refused(tmp_path):
+    path = _saved_checkpoint(tmp_path)
+    data = bytearray(path.read_bytes())
+    center = torch.load(path, weights_only=True)["center"][0]
+    # Flip the 4 bytes of one center value where they lie in the file: the file still loads.
+    where = bytes(data).find(center.numpy().tobytes())
+    assert where > 0
+    for i in range(where + 4, where + 8):
+        data[i] ^= 0xFF
+    path.write_bytes(bytes(data))
+    torch.load(path, weights_only=True)
+    with pytest.raises(ValueError, match=r"fails its checksum"):
+        ParameterServer([torch.zeros(4)], _gd, 1, restore_from=path)
+    path.write_bytes(bytes(data[: len(data) // 2]))
+    with pytest.raises(ValueError, match=r"cannot be read"):
+        ParameterServer([torch.zeros(4)], _gd, 1, restore_from=path)
+
+
+@pytest.mark.parametrize(
+    ("edit", "match"),
+    [
+        (lambda s: s["center"][0].fill_(float("nan")), r"center\[0\] has non-finite values"),
+        (lambda s: s.update(global_step=-5), r"global_step must be an int >= 0, got -5"),
+        (
+            lambda s: s["optimizer"]["param_groups"][0].update(lr=float("nan")),
+            r"param_groups\[0\]\['lr'\] is nan",
+        ),
+        (lambda s: s.pop("center"), r"misses keys \['center'\]"),
+        (lambda s: s.pop("global_step"), r"misses keys \['global_step'\]"),
+    ],
+    ids=["nan_center", "negative_step", "nan_lr", "no_center", "no_global_step"],
+)
+def test_a_checkpoint_with_bad_values_is_refused_with_a_named_error(tmp_path, edit, match):
+    from torchgrad_compat.agn.server import checkpoint_digest
+
+    path = _saved_checkpoint(tmp_path)
+    state = torch.load(path, weights_only=True)
+    edit(state)
+    state["sha256"] = checkpoint_digest(state)  # a consistent file with a bad value in it
+    torch.save(state, path)
+    with pytest.raises(ValueError, match=match):
+        ParameterServer([torch.zeros(4)], lambda ps: tgo.AdamOptimizer(ps, 0.1), 1, restore_from=path)
+
+
+# ---------------------------------------------------------------------- AGN around loss scaling
+def _loss_scaled_worker(period: int, loss_scale: Any = "dynamic"):
+    from torchgrad_compat.amp import LossScaleOptimizer
+
+    server, host = _local([torch.zeros(2)], _gd, 1)
+    w = torch.zeros(2, requires_grad=True)
+    lso = LossScaleOptimizer(_gd([w], lr=0.1), loss_scale=loss_scale)
+    return server, w, lso, AGNOptimizer(lso, 1, period, server=host.endpoint("w"))
+
+
+def _scaled_step(w: torch.Tensor, lso: Any, opt: AGNOptimizer, slope: list[float]) -> None:
+    opt.zero_grad()
+    lso.get_scaled_loss((w * torch.tensor(slope)).sum()).backward()
+    opt.step()
+
+
+def test_agn_around_loss_scaling_pushes_unscaled_gradients():
+    server, w, lso, opt = _loss_scaled_worker(2)
+    _scaled_step(w, lso, opt, [0.4, -1.0])
+    _scaled_step(w, lso, opt, [1.2, 3.0])
+    assert server.global_step == 1
+    assert torch.allclose(server.center[0], -torch.tensor([0.8, 1.0]), rtol=0, atol=1e-6), server.center
+
+
+def test_agn_around_loss_scaling_does_not_accumulate_skipped_steps():
+    server, w, lso, opt = _loss_scaled_worker(3)
+    _scaled_step(w, lso, opt, [1.0, 2.0])
+    _scaled_step(w, lso, opt, [float("inf"), 5.0])  # skipped: the scale halves, nothing accumulates
+    _scaled_step(w, lso, opt, [3.0, 4.0])
+    assert float(lso.loss_scale()) == 2.0**14 and server.global_step == 1
+    # The mean over the two applied steps.
+    assert torch.equal(server.center[0], -torch.tensor([2.0, 3.0]))
+    for _ in range(3):  # a period with only skipped steps pushes nothing
+        _scaled_step(w, lso, opt, [float("nan"), 1.0])
+    assert server.global_step == 1 and opt.local_step == 6
+
+
+def test_agn_around_loss_scaling_tf_style_skips_like_the_loss_scale():
+    server, w, lso, opt = _loss_scaled_worker(2)
+    opt.apply_gradients([(torch.tensor([1.0, 1.0]), w)])
+    opt.apply_gradients([(torch.tensor([float("inf"), 1.0]), w)])
+    assert float(lso.loss_scale()) == 2.0**14
+    assert server.global_step == 1 and torch.equal(server.center[0], -torch.tensor([1.0, 1.0]))
+
+
+def test_agn_around_a_fixed_loss_scale_refuses_a_non_finite_push():
+    server, w, lso, opt = _loss_scaled_worker(1, loss_scale=8.0)
+    with pytest.raises(ValueError, match="non-finite values"):
+        _scaled_step(w, lso, opt, [float("inf"), 1.0])
+    assert server.global_step == 0 and torch.equal(server.center[0], torch.zeros(2))
+
+
+# ---------------------------------------------------------------------- liveness
+def test_a_known_worker_that_dies_before_joining_is_not_waited_for():
+    server, host = _local([torch.zeros(1)], _gd, 2)
+    host.known = ["a", "b"]
+    p = torch.zeros(1)
+    a = AGNOptimizer(_gd([p]), 2, 1, server=host.endpoint("a"))
+    a.apply_gradients([(torch.ones(1), p)])
+    a.finish()
+    host.dead.add("b")  # never joined
+    done = []
+    thread = threading.Thread(target=lambda: done.append(serve(server, host.is_alive, 0.01, host.peers)))
+    with pytest.warns(AGNWorkerLostWarning, match=r"\['b'\]"):
+        thread.start()
+        thread.join(timeout=10)
+    assert done and done[0][0].item() == -1.0
+
+
+def test_a_server_that_cannot_start_tells_its_workers_at_once(tmp_path):
+    from torchgrad_compat.agn import run_parameter_server
+
+    path = tmp_path / "ps.pt"
+    path.write_bytes(b"not a checkpoint")
+    host = LocalServerHost()
+    host.known = ["w"]
+    errors: list[str] = []
+
+    def worker() -> None:
+        start = time.monotonic()
+        try:
+            AGNOptimizer(_gd([torch.zeros(1)]), 1, server=host.endpoint("w"), startup_timeout=30)
+        except AGNError as e:
+            errors.append(f"{time.monotonic() - start:.1f} {type(e).__name__}: {e}")
+
+    thread = threading.Timer(0.2, worker)
+    thread.start()
+    with pytest.raises(ValueError, match="cannot be read"):
+        run_parameter_server([torch.zeros(1)], _gd, 1, restore_from=path, transport=host, refuse_for=20)
+    thread.join(timeout=30)
+    assert errors and "AGNError: AGN server 'ps' could not start: ValueError: AGN checkpoint" in errors[0]
+    assert float(errors[0].split()[0]) < 5, errors
+
+
+def test_a_server_torn_down_by_sigterm_saves_its_center_first(tmp_path):
+    from torchgrad_compat.agn import run_parameter_server
+
+    path = tmp_path / "ps.pt"
+    host = LocalServerHost()
+
+    def worker() -> None:
+        p = torch.zeros(1)
+        opt = AGNOptimizer(_gd([p]), 1, 1, server=host.endpoint("w"), startup_timeout=10)
+        for _ in range(3):
+            opt.apply_gradients([(torch.ones(1), p)])
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    thread = threading.Thread(target=worker)
+    thread.start()
+    with pytest.raises(SystemExit):
+        run_parameter_server(
+            [torch.zeros(1)], _gd, 1, checkpoint_path=path, checkpoint_every=100, transport=host
+        )
+    thread.join(timeout=10)
+    saved = torch.load(path, weights_only=True)
+    assert saved["global_step"] == 3 and saved["center"][0].item() == -3.0
+    assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL
+
+
+def test_rpc_a_corrupt_checkpoint_reaches_workers_at_once_and_an_early_death_ends_the_wait(tmp_path):
+    corrupt = tmp_path / "ps.pt"
+    corrupt.write_bytes(b"\x00" * 64)
+    out = _run_group(3, "cannot_start_then_early_death", corrupt=str(corrupt), abrupt_shutdown=True)
+    assert 2 not in out, "worker2 was meant to die before it joined"
+    (refused, server), (told, finished) = _ok(out, [0, 1])
+    assert "cannot be read" in refused and "could not start: ValueError: AGN checkpoint" in told["error"]
+    assert told["seconds"] < 30, told  # startup_timeout=60: it did not wait for it
+    assert finished == 1 and server["center"] == [[-1.0]]
+    assert len(server["lost"]) == 1 and "['worker2']" in server["lost"][0]
+
+
+# ---------------------------------------------------------------------- init_rpc_from_env
+_INIT_RPC = """
+import sys, time
+import torch.distributed.rpc as rpc
+from torchgrad_compat.agn import init_rpc_from_env
+name = init_rpc_from_env(startup_timeout=float(sys.argv[1]))
+print("up", name, flush=True)
+time.sleep(float(sys.argv[2]))
+rpc.shutdown()
+"""
+
+
+def _init_rpc_process(
+    rank: int, world: int, port: int, startup_timeout: float, hold: float
+) -> subprocess.Popen:
+    env = {**os.environ, "RANK": str(rank), "WORLD_SIZE": str(world), "MASTER_ADDR": "127.0.0.1"}
+    env.update(MASTER_PORT=str(port), PYTHONPATH=str(Path(__file__).resolve().parents[1]))
+    env.pop("TP_SOCKET_IFNAME", None)
+    command = [sys.executable, "-c", _INIT_RPC, str(startup_timeout), str(hold)]
+    return subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+
+def _listening(pid: int) -> list[str]:
+    """``address:port`` of every TCP socket that process ``pid`` listens on (Linux /proc)."""
+    inodes = set()
+    for fd in Path(f"/proc/{pid}/fd").iterdir():
+        target = os.readlink(fd) if fd.is_symlink() else ""
+        if target.startswith("socket:["):
+            inodes.add(target[8:-1])
+    found = []
+    for table, width in (("tcp", 8), ("tcp6", 32)):
+        for line in Path(f"/proc/{pid}/net/{table}").read_text().splitlines()[1:]:
+            fields = line.split()
+            if fields[3] == "0A" and fields[9] in inodes:  # 0A: LISTEN
+                address, port = fields[1].split(":")
+                assert len(address) == width
+                raw = bytes.fromhex(address)
+                # /proc prints each 32-bit word in host (little-endian) order.
+                words = b"".join(raw[i : i + 4][::-1] for i in range(0, len(raw), 4))
+                family = socket.AF_INET if table == "tcp" else socket.AF_INET6
+                found.append(f"{socket.inet_ntop(family, words)}:{int(port, 16)}")
+    return found
+
+
+def test_init_rpc_from_env_gives_up_within_startup_timeout():
+    proc = _init_rpc_process(1, 2, free_port(), startup_timeout=2, hold=0)
+    start = time.monotonic()
+    try:
+        output, _ = proc.communicate(timeout=60)
+    finally:
+        proc.kill()
+    assert proc.returncode != 0 and time.monotonic() - start < 30, output
+    assert "AGNServerUnavailableError: AGN rendezvous at 127.0.0.1:" in output, output
+    assert "(rank 1 of 2) did not complete within startup_timeout=2.0 s" in output, output
+
+
+def test_init_rpc_from_env_listens_on_the_configured_address_only():
+    port = free_port()
+    procs = [_init_rpc_process(0, 2, port, startup_timeout=60, hold=4)]
+    try:
+        deadline = time.monotonic() + 30
+        while not _listening(procs[0].pid) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        store = _listening(procs[0].pid)
+        assert store == [f"127.0.0.1:{port}"], store
+        procs.append(_init_rpc_process(1, 2, port, startup_timeout=60, hold=4))
+        for proc in procs:
+            lines = iter(proc.stdout.readline, "")  # torch may warn first
+            assert any(line.startswith("up") for line in lines), proc.communicate(timeout=30)[0]
+        every = [address for proc in procs for address in _listening(proc.pid)]
+        assert every and all(a.startswith("127.0.0.1:") for a in every), every
+        outputs = [proc.communicate(timeout=30)[0] for proc in procs]
+        assert all(proc.returncode == 0 for proc in procs), outputs
+    finally:
+        for proc in procs:
+            proc.kill()
+            proc.wait()
+
+
+# ---------------------------------------------------------------------- scripts/train_agn.py under faults
+SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "train_agn.py"
+
+
+def _wait_for_line(proc: subprocess.Popen, pattern: str, lines: list[str], timeout: float) -> re.Match:
+    """Read ``proc``'s output into ``lines`` until a line matches ``pattern`` (a reader thread bounds it)."""
+    found: list[re.Match] = []
+
+    def read() -> None:
+        for line in iter(proc.stdout.readline, ""):
+            lines.append(line)
+            if not found and (match := re.search(pattern, line)):
+                found.append(match)
+                return
+
+    reader = threading.Thread(target=read, daemon=True)
+    reader.start()
+    reader.join(timeout)
+    assert found, f"no line matching {pattern!r} within {timeout} s:\n{''.join(lines)}"
+    return found[0]
+
+
+def _kill_group(proc: subprocess.Popen) -> None:
+    if proc.poll() is None:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+
+
+def test_train_agn_a_killed_worker_leaves_no_process_stuck():
+    """Three processes started by hand (no torchrun): worker2 is killed mid-run; the other two exit."""
+    port = free_port()
+    procs = []
+    for rank in range(3):
+        env = {**os.environ, "RANK": str(rank), "WORLD_SIZE": "3", "MASTER_ADDR": "127.0.0.1"}
+        env.update(MASTER_PORT=str(port), PYTHONPATH=str(SCRIPT.parents[1]))
+        command = [sys.executable, str(SCRIPT), "--steps", "400", "--rpc-timeout", "5"]
+        procs.append(
+            subprocess.Popen(
+                command,
+                env=env,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+                text=True,
+                start_new_session=True,
+            )
+        )
+    try:
+        lines: list[str] = []
+        pid = int(_wait_for_line(procs[2], r"worker2: joined at global_step \d+ \(pid (\d+)\)", lines, 60)[1])
+        os.kill(pid, signal.SIGKILL)
+        outputs = [proc.communicate(timeout=GROUP_DEADLINE_S)[0] for proc in procs[:2]]
+        assert [proc.returncode for proc in procs[:2]] == [0, 0], outputs
+        assert "worker(s) ['worker2'] stopped answering" in outputs[0], outputs[0]
+        assert "worker1: step 400 " in outputs[1], outputs[1]
+    finally:
+        for proc in procs:
+            _kill_group(proc)
+
+
+def test_train_agn_under_torchrun_a_killed_worker_still_leaves_a_checkpoint(tmp_path):
+    """torchrun tears the job down when a worker dies (SIGTERM): the server saves its center first."""
+    path = tmp_path / "ps.pt"
+    command = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc-per-node",
+        "3",
+        "--master-addr",
+        "127.0.0.1",
+    ]
+    command += ["--master-port", str(free_port()), str(SCRIPT), "--steps", "400", "--checkpoint", str(path)]
+    command += ["--checkpoint-every", "1000000"]
+    proc = subprocess.Popen(
+        command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True
+    )
+    try:
+        lines: list[str] = []
+        pid = int(_wait_for_line(proc, r"worker2: joined at global_step \d+ \(pid (\d+)\)", lines, 60)[1])
+        _wait_for_line(proc, r"worker2: step 100 ", lines, 60)
+        os.kill(pid, signal.SIGKILL)
+        output = "".join(lines) + proc.communicate(timeout=GROUP_DEADLINE_S)[0]
+        assert proc.returncode != 0, output
+    finally:
+        _kill_group(proc)
+    assert path.exists(), output
+    restored = ParameterServer(
+        [torch.zeros(32, 16), torch.zeros(32), torch.zeros(4, 32), torch.zeros(4)],
+        lambda ps: tgo.AdamOptimizer(ps, 0.01),
+        2,
+        restore_from=path,
+    )
+    assert restored.global_step > 0
+
+
+class _LosesAnswers(LocalEndpoint):
+    """Applies the next ``lose`` pushes on the server, then raises as if their answers were lost."""
+
+    lose = 0
+
+    def request(self, method: str, *args: Any) -> Any:
+        answer = super().request(method, *args)
+        if method == "push" and self.lose:
+            self.lose -= 1
+            raise AGNServerUnavailableError("AGN server 'ps' did not answer 'push' (the answer was lost)")
+        return answer
+
+
+def test_a_push_whose_answer_was_lost_is_sent_again_and_counted_once():
+    server, host = _local([torch.zeros(1)], _gd, 1)
+    endpoint = _LosesAnswers(host, "w")
+    p = torch.zeros(1)
+    opt = AGNOptimizer(_gd([p]), 1, 1, server=endpoint)
+    endpoint.lose = 1
+    with pytest.raises(AGNServerUnavailableError, match="answer was lost"):
+        opt.apply_gradients([(torch.ones(1), p)])
+    assert server.center[0].item() == -1.0
+    opt.apply_gradients([(torch.full((1,), 2.0), p)])  # sends the lost push again (ignored), then its own
+    assert server.global_step == 2 and server.center[0].item() == -3.0 and p.item() == -3.0
+    endpoint.lose = 1
+    with pytest.raises(AGNServerUnavailableError):
+        opt.apply_gradients([(torch.full((1,), 4.0), p)])
+    assert opt.finish() == 3 and server.center[0].item() == -7.0
+
+
+def test_join_timeout_bounds_the_wait_for_workers_that_never_make_contact():
+    from torchgrad_compat.agn import run_parameter_server
+
+    host = LocalServerHost()
+
+    def worker() -> None:
+        p = torch.zeros(1)
+        opt = AGNOptimizer(_gd([p]), 3, 1, server=host.endpoint("w"), startup_timeout=10)
+        opt.apply_gradients([(torch.ones(1), p)])
+        opt.finish()
+
+    thread = threading.Thread(target=worker)
+    thread.start()
+    start = time.monotonic()
+    with pytest.warns(AGNWorkerLostWarning, match=r"2 never joined within join_timeout=1.5 s"):
+        center = run_parameter_server(
+            [torch.zeros(1)], _gd, 3, transport=host, liveness_interval=0.05, join_timeout=1.5
+        )
+    thread.join(timeout=10)
+    assert center[0].item() == -1.0 and 1.5 <= time.monotonic() - start < 10
+    with pytest.raises(ValueError, match="Invalid join_timeout value: 0"):
+        run_parameter_server([torch.zeros(1)], _gd, 1, transport=LocalServerHost(), join_timeout=0)
+
+
+def test_a_restarted_worker_takes_its_name_back_once_the_server_finds_the_old_process_dead():
+    server, host = _local([torch.zeros(1)], _gd, 1)
+    p = torch.zeros(1)
+    old = AGNOptimizer(_gd([p]), 1, 1, server=host.endpoint("w"))
+    old.apply_gradients([(torch.ones(1), p)])
+    # The old process "dies"; the liveness probe finds out a little later than the restart.
+    threading.Timer(0.5, server.mark_dead, args=("w",)).start()
+    start = time.monotonic()
+    restarted = AGNOptimizer(_gd([torch.zeros(1)]), 1, 1, server=host.endpoint("w"), startup_timeout=10)
+    assert 0.4 < time.monotonic() - start < 5 and restarted.global_step == 1
+    with pytest.raises(AGNError, match="incarnation 1 was replaced by 2"):
+        old.apply_gradients([(torch.ones(1), p)])

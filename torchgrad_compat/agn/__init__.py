@@ -7,7 +7,9 @@ the transport (``torch.distributed.rpc`` by default) in ``transport.py``.
 
 from .optimizer import AGNOptimizer
 from .server import (
+    AGNCheckpointWarning,
     AGNError,
+    AGNNameInUseError,
     AGNServerNotReadyError,
     AGNServerUnavailableError,
     AGNWorkerLostWarning,
@@ -25,7 +27,9 @@ from .transport import (
 )
 
 __all__ = [
+    "AGNCheckpointWarning",
     "AGNError",
+    "AGNNameInUseError",
     "AGNOptimizer",
     "AGNServerNotReadyError",
     "AGNServerUnavailableError",

@@ -8,6 +8,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from ..amp.loss_scale import found_non_finite
+from ..amp.loss_scale_optimizer import LossScaleOptimizer
 from ..optim._base import _check_global_step, _describe
 from ..optim._wrapper import OptimizerWrapper
 from .transport import RpcEndpoint, ServerEndpoint
@@ -49,6 +51,15 @@ class AGNOptimizer(OptimizerWrapper):
        pulled.
     4. No custom getter: the local parameters are the wrapped optimizer's, and
        the center lives in the server process.
+
+    Around a :class:`~torchgrad_compat.amp.LossScaleOptimizer` with a dynamic
+    scale, the accumulated gradients are the unscaled ones (``step()`` calls
+    its ``unscale_()`` first), a step it skips (a non-finite gradient) adds
+    nothing, and the push is the mean over the steps it applied; a period in
+    which every step was skipped pushes nothing. The decision stays on the
+    device (no host read per local step); the counts are read at the push.
+    The server refuses non-finite pushes, so with a fixed scale (which applies
+    non-finite gradients, as TF) such a period raises ``ValueError``.
 
     Args:
         optimizer: the local optimizer (this package's or a ``torch.optim`` one).
@@ -103,11 +114,20 @@ class AGNOptimizer(OptimizerWrapper):
         self._params = params
         self._accumulators = [torch.zeros_like(p, memory_format=torch.preserve_format) for p in params]
         self._pending: set[int] = set()  # parameters with a gradient since the last push
+        # Under dynamic loss scaling: steps applied this period, and per parameter whether an applied
+        # step gave it a gradient (device tensors, read once per push).
+        self._loss_scaled = (
+            isinstance(optimizer, LossScaleOptimizer) and optimizer.loss_scale.checks_gradients
+        )
+        device = params[0].device
+        self._applied = torch.zeros((), device=device) if self._loss_scaled else None
+        self._seen = [torch.zeros((), device=device) for _ in params] if self._loss_scaled else []
         self.local_step = 0
         self.global_step = 0
         self._seq = 0
+        self._unacked: tuple[int, dict[int, Tensor]] | None = None  # a push whose answer did not arrive
         specs = [(tuple(p.shape), p.dtype) for p in params]
-        self._incarnation, center, self.global_step = self._endpoint.join(
+        self._session, center, self.global_step = self._endpoint.join(
             num_worker, specs, startup_timeout=startup_timeout
         )
         self._pull(center)
@@ -126,6 +146,9 @@ class AGNOptimizer(OptimizerWrapper):
             with torch.enable_grad():
                 loss = closure()
         self._check_params()
+        if self._loss_scaled:
+            # p.grad holds scaled gradients until unscale_() divides them in place; step() reuses its check.
+            self._optimizer.unscale_()
         grads = [p.grad for p in self._params]
         # Accumulate first: the wrapped optimizer may not be the last to read p.grad.
         self._accumulate(grads)
@@ -155,31 +178,84 @@ class AGNOptimizer(OptimizerWrapper):
                 global_step.add_(1)
 
     def finish(self) -> int:
-        """Tell the server this worker is done; the server's ``global_step``."""
-        return self._endpoint.request("finish", self._incarnation)
+        """Send a push still unacknowledged, then tell the server this worker is done; its ``global_step``."""
+        self._send_unacked()
+        return self._endpoint.request("finish", self._session)
 
     def _accumulate(self, grads: list[Tensor | None]) -> None:
+        if self._loss_scaled:
+            self._accumulate_unless_skipped(grads)
+            return
         with torch.no_grad():
             for i, g in enumerate(grads):
                 if g is not None:
                     self._accumulators[i].add_(g)
                     self._pending.add(i)
 
+    def _accumulate_unless_skipped(self, grads: list[Tensor | None]) -> None:
+        """Add the (unscaled) gradients only if the loss scale applies this step: the same flag, on device."""
+        assert self._applied is not None
+        lso: Any = self._optimizer
+        with torch.no_grad():
+            applied = 1 - found_non_finite(grads, lso.loss_scale.device).reshape(())
+            self._applied.add_(applied.to(self._applied.device))
+            for i, g in enumerate(grads):
+                if g is None:
+                    continue
+                keep = applied.to(g.device).bool()
+                if g.is_sparse:
+                    g = g.coalesce()
+                    values = torch.where(keep, g._values(), torch.zeros_like(g._values()))
+                    self._accumulators[i].add_(torch.sparse_coo_tensor(g._indices(), values, g.shape))
+                else:
+                    self._accumulators[i].add_(torch.where(keep, g, torch.zeros_like(g)))
+                torch.maximum(self._seen[i], applied.to(self._seen[i].device), out=self._seen[i])
+                self._pending.add(i)
+
     def _count_step(self) -> bool:
-        """Count a local step; push and pull when it completes a period. Whether it did."""
+        """Count a local step; push and pull when it completes a period. Whether it pushed."""
         self.local_step += 1
         if self.local_step % self.communication_period:
             return False
-        pushed = {i: self._accumulators[i] / self.communication_period for i in sorted(self._pending)}
-        if pushed:
-            self._seq += 1
-            center, self.global_step = self._endpoint.request("push", self._incarnation, self._seq, pushed)
-            self._pull(center)
+        self._send_unacked()
+        pushed = self._take_push()
+        if not pushed:
+            return False
+        self._seq += 1
+        self._unacked = (self._seq, pushed)
+        self._send_unacked()
+        return True
+
+    def _take_push(self) -> dict[int, Tensor]:
+        """The period's normalized gradients, by parameter index; the accumulators start over."""
+        pending, divisor = sorted(self._pending), self.communication_period
+        if self._applied is not None:
+            counts = torch.stack([self._applied, *self._seen]).tolist()  # the one host read per period
+            divisor = int(counts[0])
+            pending = [i for i in pending if counts[1 + i]]
+        pushed = {i: self._accumulators[i] / divisor for i in pending}
         with torch.no_grad():
-            for a in self._accumulators:
+            for a in [*self._accumulators, *self._seen]:
                 a.zero_()
+            if self._applied is not None:
+                self._applied.zero_()
         self._pending.clear()
-        return bool(pushed)
+        return pushed
+
+    def _send_unacked(self) -> None:
+        """Send the push the server has not acknowledged yet, if any, and pull the center it answers.
+
+        A push whose answer did not arrive (a timeout, a dropped connection) is
+        sent again with the same sequence number at the next communication or
+        at ``finish()``; the server applies a sequence number at most once, so
+        the push counts once whether or not the first attempt reached it.
+        """
+        if self._unacked is None:
+            return
+        seq, pushed = self._unacked
+        center, self.global_step = self._endpoint.request("push", self._session, seq, pushed)
+        self._unacked = None
+        self._pull(center)
 
     def _pull(self, center: list[Tensor]) -> None:
         with torch.no_grad():
@@ -203,6 +279,9 @@ class AGNOptimizer(OptimizerWrapper):
             "accumulators": [a.clone() for a in self._accumulators],
             "pending": sorted(self._pending),
         }
+        if self._applied is not None:
+            state["agn"]["applied"] = self._applied.clone()
+            state["agn"]["seen"] = [s.clone() for s in self._seen]
         return state
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
@@ -216,3 +295,8 @@ class AGNOptimizer(OptimizerWrapper):
         self.local_step = int(agn["local_step"])
         self.global_step = int(agn["global_step"])
         self._pending = set(agn["pending"])
+        if self._applied is not None:
+            with torch.no_grad():
+                self._applied.copy_(agn["applied"])
+                for s, saved in zip(self._seen, agn["seen"], strict=True):
+                    s.copy_(saved)

@@ -8,8 +8,14 @@ tells it which workers are still alive; ``run_parameter_server`` joins the two.
 from __future__ import annotations
 
 import dataclasses
+import hashlib
+import hmac
+import math
 import os
+import secrets
+import signal
 import threading
+import time
 import warnings
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
@@ -20,7 +26,9 @@ from torch import Tensor
 from ..optim._base import _describe
 
 __all__ = [
+    "AGNCheckpointWarning",
     "AGNError",
+    "AGNNameInUseError",
     "AGNServerNotReadyError",
     "AGNServerUnavailableError",
     "AGNWorkerLostWarning",
@@ -29,6 +37,8 @@ __all__ = [
 ]
 
 CHECKPOINT_FORMAT = "torchgrad_compat.agn.server/1"
+CHECKPOINT_KEYS = ("center", "format", "global_step", "optimizer", "sha256")
+PROBES_MISSED_BEFORE_DEAD = 3  # consecutive liveness probes a worker misses before it counts as dead
 
 
 class AGNError(RuntimeError):
@@ -43,13 +53,26 @@ class AGNServerUnavailableError(AGNError):
     """The AGN server did not answer: it died, stopped answering within the timeout, or never started."""
 
 
+class AGNNameInUseError(AGNError):
+    """A join under the name of a worker that is running; ``join`` retries it up to ``startup_timeout``."""
+
+
+class AGNCheckpointWarning(RuntimeWarning):
+    """The server could not write its checkpoint; the update stands and the next one tries again."""
+
+
 class AGNWorkerLostWarning(RuntimeWarning):
     """A worker stopped answering before it called ``finish()``; the server went on without it."""
+
+
+# What ``join`` hands a worker and every later request of it carries: (incarnation, secret key).
+Session = tuple[int, str]
 
 
 @dataclasses.dataclass
 class _Worker:
     incarnation: int = 0
+    key: str = ""
     last_seq: int = 0
     pushes: int = 0
     state: str = "running"  # "running", "finished" or "dead"
@@ -73,24 +96,37 @@ class ParameterServer:
     Contract:
 
     * ``join`` returns the current center (TF's ``get_init_op``: local := center)
-      and starts a new *incarnation* of that worker: a restarted worker of the same
-      name is welcome, and pushes of the old incarnation are refused.
+      and starts a new *session* of that worker: an incarnation number and a
+      random key that its ``push`` and ``finish`` must carry, so no other
+      process can push or finish under its name. A running worker's name is
+      taken: joining under it is refused unless the join carries that worker's
+      session (the same worker starting over). A worker that finished or died
+      (the transport stopped answering for it) may join again, as a restarted
+      process; requests of the old session are refused.
     * ``push`` applies the server's optimizer once to the center with the pushed
       (already normalized) gradients and returns the center after the update. The
       whole of it runs under one lock, so N workers × K pushes are exactly N·K
       updates. A repeated ``(incarnation, seq)`` is answered without applying it
       again, so a retried push is never applied twice.
     * Pushes are validated before the lock is taken: index, layout, shape and
-      dtype must match the center; a bad push raises ``ValueError``/``TypeError``
-      to that worker and leaves the center untouched.
+      dtype must match the center, and every value must be finite (one NaN
+      would make the center and every worker NaN); a bad push raises
+      ``ValueError``/``TypeError`` to that worker and leaves the center untouched.
     * The server's optimizer is its own object with its own state. Unlike TF
       contrib, where the local and center applies share one Adam and its
       ``beta1_power`` advances on both (twice per communication), here the
       server's Adam advances once per push and the workers' once per local step.
     * Every ``checkpoint_every`` updates the center, the optimizer's
-      ``state_dict`` and ``global_step`` are saved to ``checkpoint_path`` (plain
-      tensors and numbers: ``torch.load(weights_only=True)`` reads it);
-      ``restore_from`` continues from such a file.
+      ``state_dict``, ``global_step`` and a SHA-256 of them are saved to
+      ``checkpoint_path`` (plain tensors and numbers:
+      ``torch.load(weights_only=True)`` reads it), written to a temporary file
+      and renamed, so a crash mid-save leaves the previous checkpoint. The
+      directory is checked at construction. A save that fails later (disk
+      full) does not fail the push, which is applied exactly once: the server
+      warns with :class:`AGNCheckpointWarning` and saves again after the next
+      update. ``restore_from`` continues from such a file after checking its
+      checksum and values (finite center and optimizer state, ``global_step
+      >= 0``); a bad file raises ``ValueError`` naming what is wrong.
     """
 
     def __init__(
@@ -130,8 +166,10 @@ class ParameterServer:
             )
         self.global_step = 0
         self.workers: dict[str, _Worker] = {}
-        self._checkpoint_path = None if checkpoint_path is None else os.fspath(checkpoint_path)
+        self._awaited = num_worker  # workers to end before done
+        self._checkpoint_path = None if checkpoint_path is None else _writable(checkpoint_path)
         self._checkpoint_every = checkpoint_every
+        self._save_due = False  # a save failed; try again after the next update
         self._lock = threading.Lock()
         self._changed = threading.Condition(self._lock)
         if restore_from is not None:
@@ -139,9 +177,16 @@ class ParameterServer:
 
     # ------------------------------------------------------------------ requests
     def join(
-        self, worker: str, num_worker: int, specs: Sequence[tuple[tuple[int, ...], torch.dtype]]
-    ) -> tuple:
-        """Register ``worker``; ``(incarnation, center, global_step)``. The worker's parameters must match."""
+        self,
+        worker: str,
+        num_worker: int,
+        specs: Sequence[tuple[tuple[int, ...], torch.dtype]],
+        session: Session | None = None,
+    ) -> tuple[Session, list[Tensor], int]:
+        """Register ``worker``; ``(session, center, global_step)``. The worker's parameters must match.
+
+        ``session``: the worker's current session, to start it over while it is running.
+        """
         if num_worker != self.num_worker:
             raise ValueError(
                 f"AGN server {self.name!r} serves num_worker={self.num_worker}, worker {worker!r} "
@@ -154,34 +199,44 @@ class ParameterServer:
                 f"the center has {expected}"
             )
         with self._lock:
+            record = self.workers.get(worker)
+            if record is not None and record.state == "running" and not self._holds(record, session):
+                raise AGNNameInUseError(
+                    f"AGN server {self.name!r}: a worker named {worker!r} is running (session "
+                    f"{record.incarnation}); a name is bound to the process that joined with it. If that "
+                    "process died, the server notices within its liveness probe and the name is free again"
+                )
             record = self.workers.setdefault(worker, _Worker())
             record.incarnation += 1
+            record.key = secrets.token_hex(16)
             record.last_seq = 0
             record.state = "running"
             self._changed.notify_all()
-            return record.incarnation, self._center_copy(), self.global_step
+            return (record.incarnation, record.key), self._center_copy(), self.global_step
 
     def push(
-        self, worker: str, incarnation: int, seq: int, grads: dict[int, Tensor]
+        self, worker: str, session: Session, seq: int, grads: dict[int, Tensor]
     ) -> tuple[list[Tensor], int]:
         """Apply one normalized push from ``worker``; ``(center, global_step)`` after it."""
         self._check_push(worker, grads)
         with self._lock:
-            record = self._running(worker, incarnation)
+            record = self._running(worker, session)
             if seq > record.last_seq:
                 with torch.no_grad():
                     _apply(self.optimizer, self.center, grads)
                 record.last_seq = seq
                 record.pushes += 1
                 self.global_step += 1
-                if self._checkpoint_every and self.global_step % self._checkpoint_every == 0:
-                    self._save()
+                if self._save_due or (
+                    self._checkpoint_every and self.global_step % self._checkpoint_every == 0
+                ):
+                    self._save_after_update()
             return self._center_copy(), self.global_step
 
-    def finish(self, worker: str, incarnation: int) -> int:
+    def finish(self, worker: str, session: Session) -> int:
         """Record that ``worker`` is done; the server's ``global_step``."""
         with self._lock:
-            self._running(worker, incarnation).state = "finished"
+            self._running(worker, session).state = "finished"
             self._changed.notify_all()
             return self.global_step
 
@@ -191,19 +246,30 @@ class ParameterServer:
             return self._center_copy(), self.global_step
 
     def mark_dead(self, worker: str) -> None:
-        """A transport found ``worker`` gone before ``finish()``: stop waiting for it."""
+        """A transport found ``worker`` gone before ``finish()``, or before it joined: stop waiting for it."""
         with self._lock:
             record = self.workers.get(worker)
-            if record is not None and record.state == "running":
+            if record is None:
+                self.workers[worker] = _Worker(state="dead")
+                self._changed.notify_all()
+            elif record.state == "running":
                 record.state = "dead"
                 self._changed.notify_all()
 
     # ------------------------------------------------------------------ waiting
     @property
     def done(self) -> bool:
-        """Every one of ``num_worker`` workers has finished or died."""
+        """Every awaited worker finished or died (``num_worker``, fewer after ``stop_waiting_for_absent``)."""
         ended = sum(r.state != "running" for r in self.workers.values())
-        return ended >= self.num_worker
+        return ended >= self._awaited
+
+    def stop_waiting_for_absent(self) -> int:
+        """Wait no longer for workers that have not joined; how many that is."""
+        with self._lock:
+            absent = max(0, self._awaited - len(self.workers))
+            self._awaited -= absent
+            self._changed.notify_all()
+            return absent
 
     def running_workers(self) -> list[str]:
         with self._lock:
@@ -224,12 +290,21 @@ class ParameterServer:
             return self._state_dict()
 
     def _state_dict(self) -> dict[str, Any]:
-        return {
+        state = {
             "format": CHECKPOINT_FORMAT,
             "center": self._center_copy(),
             "optimizer": self.optimizer.state_dict(),
             "global_step": self.global_step,
         }
+        state["sha256"] = checkpoint_digest(state)
+        return state
+
+    def save(self) -> None:
+        """Write a checkpoint to ``checkpoint_path`` now (a server that is being torn down)."""
+        if self._checkpoint_path is None:
+            raise RuntimeError(f"AGN server {self.name!r} has no checkpoint_path to save to")
+        with self._lock:
+            self._save()
 
     def _save(self) -> None:
         # Written beside the target and renamed, so a crash mid-save leaves the previous checkpoint.
@@ -237,33 +312,65 @@ class ParameterServer:
         torch.save(self._state_dict(), tmp)
         os.replace(tmp, self._checkpoint_path)
 
+    def _save_after_update(self) -> None:
+        """Save after an applied update; a failure must not fail (and so repeat) the push."""
+        try:
+            self._save()
+        except Exception as e:  # OSError, or torch.save's RuntimeError for a vanished directory
+            self._save_due = True
+            warnings.warn(
+                f"AGN server {self.name!r} could not save its checkpoint {self._checkpoint_path} at update "
+                f"{self.global_step} ({type(e).__name__}: {e}); it keeps serving and tries again after "
+                "the next update",
+                AGNCheckpointWarning,
+                stacklevel=2,
+            )
+        else:
+            self._save_due = False
+
     def _restore(self, path: str) -> None:
-        state = torch.load(path, weights_only=True)
-        if not isinstance(state, dict) or state.get("format") != CHECKPOINT_FORMAT:
-            raise ValueError(f"{path} is not an AGN server checkpoint ({CHECKPOINT_FORMAT})")
+        state = _read_checkpoint(path)
         center = state["center"]
         expected = [(tuple(c.shape), c.dtype) for c in self.center]
         found = [(tuple(c.shape), c.dtype) for c in center]
         if found != expected:
             raise ValueError(f"checkpoint {path} holds parameters {found}, the server has {expected}")
+        # Restoring runs inside the constructor: a failure leaves no half-restored server behind.
+        self.optimizer.load_state_dict(state["optimizer"])
         with torch.no_grad():
             for c, saved in zip(self.center, center, strict=True):
                 c.copy_(saved)
-        self.optimizer.load_state_dict(state["optimizer"])
-        self.global_step = int(state["global_step"])
+        self.global_step = state["global_step"]
 
     # ------------------------------------------------------------------ helpers
     def _center_copy(self) -> list[Tensor]:
         return [c.clone() for c in self.center]
 
-    def _running(self, worker: str, incarnation: int) -> _Worker:
+    @staticmethod
+    def _holds(record: _Worker, session: Any) -> bool:
+        """Whether ``session`` is ``record``'s current one (the key compared in constant time)."""
+        return (
+            isinstance(session, tuple)
+            and len(session) == 2
+            and session[0] == record.incarnation
+            and isinstance(session[1], str)
+            and hmac.compare_digest(session[1], record.key)
+        )
+
+    def _running(self, worker: str, session: Any) -> _Worker:
         record = self.workers.get(worker)
         if record is None:
             raise AGNError(f"AGN server {self.name!r}: worker {worker!r} has not joined")
-        if incarnation != record.incarnation:
+        incarnation = session[0] if isinstance(session, tuple) and session else None
+        if isinstance(incarnation, int) and incarnation != record.incarnation:
             raise AGNError(
-                f"AGN server {self.name!r}: worker {worker!r} incarnation {incarnation} was replaced by "
+                f"AGN server {self.name!r}: worker {worker!r} incarnation {incarnation!r} was replaced by "
                 f"{record.incarnation} (the worker rejoined)"
+            )
+        if not self._holds(record, session):
+            raise AGNError(
+                f"AGN server {self.name!r}: a request for worker {worker!r} carried a wrong session key; "
+                f"only the process that joined as {worker!r} may push or finish for it"
             )
         if record.state != "running":
             raise AGNError(f"AGN server {self.name!r}: worker {worker!r} is {record.state}")
@@ -287,22 +394,138 @@ class ParameterServer:
                 raise ValueError(
                     f"{where}: gradient {i} is {_describe(g)}, the center parameter is {_describe(c)}"
                 )
+            # A host read per push: the server must decide before the lock, and one NaN poisons everyone.
+            if g.is_floating_point() and not bool(torch.isfinite(g).all()):
+                raise ValueError(
+                    f"{where}: gradient {i} has non-finite values (NaN or inf); the push is refused and "
+                    "the center is unchanged (under loss scaling, skip the step instead of pushing it)"
+                )
 
 
-def serve(server: ParameterServer, is_alive: Callable[[str], bool], liveness_interval: float) -> list[Tensor]:
+def _writable(path: str | os.PathLike[str]) -> str:
+    """``path`` as a string, once a file can be created beside it (checked by creating one)."""
+    path = os.fspath(path)
+    probe = f"{path}.tmp"
+    try:
+        if os.path.isdir(path):
+            raise IsADirectoryError(f"{path} is a directory")
+        with open(probe, "wb"):
+            pass
+        os.remove(probe)
+    except OSError as e:
+        raise ValueError(
+            f"Invalid checkpoint_path value: {path!r}; expected a file in an existing, writable directory "
+            f"({type(e).__name__}: {e})"
+        ) from e
+    return path
+
+
+def checkpoint_digest(state: dict[str, Any]) -> str:
+    """SHA-256 of a server checkpoint's content (every key but ``sha256``), independent of pickling."""
+    digest = hashlib.sha256()
+    _feed(digest, {k: v for k, v in state.items() if k != "sha256"})
+    return digest.hexdigest()
+
+
+def _feed(digest: Any, value: Any) -> None:
+    """Add ``value`` to ``digest`` with its type and structure, so that different values differ."""
+    if isinstance(value, Tensor):
+        t = value.detach().cpu().contiguous()
+        digest.update(f"T{t.dtype}{tuple(t.shape)}:".encode())
+        digest.update(t.reshape(-1).view(torch.uint8).numpy().tobytes())
+    elif isinstance(value, dict):
+        digest.update(f"D{len(value)}:".encode())
+        for k in sorted(value, key=repr):
+            _feed(digest, k)
+            _feed(digest, value[k])
+    elif isinstance(value, (list, tuple)):
+        digest.update(f"L{len(value)}:".encode())
+        for v in value:
+            _feed(digest, v)
+    else:
+        digest.update(f"{type(value).__name__}:{value!r};".encode())
+
+
+def _read_checkpoint(path: str) -> dict[str, Any]:
+    """Load and check a server checkpoint; ``ValueError`` naming the file and what is wrong with it."""
+    try:
+        state = torch.load(path, weights_only=True)
+    except Exception as e:  # a truncated or garbled zip/pickle raises many types
+        raise ValueError(f"AGN checkpoint {path} cannot be read ({type(e).__name__}: {e})") from e
+    if not isinstance(state, dict) or state.get("format") != CHECKPOINT_FORMAT:
+        raise ValueError(f"{path} is not an AGN server checkpoint ({CHECKPOINT_FORMAT})")
+    missing = [k for k in CHECKPOINT_KEYS if k not in state]
+    if missing:
+        raise ValueError(f"AGN checkpoint {path} misses keys {missing}")
+    if checkpoint_digest(state) != state["sha256"]:
+        raise ValueError(f"AGN checkpoint {path} fails its checksum: the file is corrupt or was edited")
+    step = state["global_step"]
+    if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+        raise ValueError(f"AGN checkpoint {path}: global_step must be an int >= 0, got {step!r}")
+    center = state["center"]
+    if not isinstance(center, list) or not all(isinstance(c, Tensor) for c in center):
+        raise ValueError(f"AGN checkpoint {path}: center must be a list of tensors")
+    for i, c in enumerate(center):
+        if c.is_floating_point() and not bool(torch.isfinite(c).all()):
+            raise ValueError(f"AGN checkpoint {path}: center[{i}] has non-finite values")
+    optimizer = state["optimizer"]
+    if not isinstance(optimizer, dict) or not {"state", "param_groups"} <= set(optimizer):
+        raise ValueError(
+            f"AGN checkpoint {path}: optimizer must be a state_dict with 'state' and 'param_groups'"
+        )
+    for g, group in enumerate(optimizer["param_groups"]):
+        for key, value in group.items():
+            for v in value if isinstance(value, (list, tuple)) else [value]:
+                if isinstance(v, float) and not math.isfinite(v):
+                    raise ValueError(f"AGN checkpoint {path}: optimizer param_groups[{g}][{key!r}] is {v!r}")
+    for p, slots in optimizer["state"].items():
+        for slot, v in slots.items():
+            if isinstance(v, Tensor) and v.is_floating_point() and not bool(torch.isfinite(v).all()):
+                raise ValueError(
+                    f"AGN checkpoint {path}: optimizer state[{p}][{slot!r}] has non-finite values"
+                )
+    return state
+
+
+def serve(
+    server: ParameterServer,
+    is_alive: Callable[[str], bool],
+    liveness_interval: float,
+    peers: Callable[[], Iterable[str]] = list,
+    join_timeout: float | None = None,
+) -> list[Tensor]:
     """Wait until every worker has finished or died, probing running workers every ``liveness_interval`` s.
+
+    A worker that misses ``PROBES_MISSED_BEFORE_DEAD`` probes in a row is dead.
+
+    ``peers()``: the workers the transport knows of (asked at every probe); one
+    that dies before it joins is marked dead too, so the server does not wait
+    for it forever. After ``join_timeout`` seconds (None: no limit) it waits
+    no longer for workers that have not joined.
 
     Returns copies of the final center tensors; warns with
     :class:`AGNWorkerLostWarning` naming the workers that died.
     """
+    misses: dict[str, int] = {}
+    join_deadline = None if join_timeout is None else time.monotonic() + join_timeout
+    absent = 0
     while not server.wait(liveness_interval):
-        for worker in server.running_workers():
-            if not is_alive(worker):
+        if join_deadline is not None and time.monotonic() >= join_deadline:
+            absent, join_deadline = server.stop_waiting_for_absent(), None
+            continue
+        known = list(peers())
+        with server._lock:
+            unjoined = [w for w in known if w not in server.workers]
+        for worker in server.running_workers() + unjoined:
+            # A dead peer fails every probe at once; a live one on a loaded host may miss one.
+            misses[worker] = 0 if is_alive(worker) else misses.get(worker, 0) + 1
+            if misses[worker] >= PROBES_MISSED_BEFORE_DEAD:
                 server.mark_dead(worker)
     dead = server.dead_workers()
-    if dead:
+    if dead or absent:
+        never = f"; {absent} never joined within join_timeout={join_timeout} s" if absent else ""
         warnings.warn(
-            f"AGN server {server.name!r}: worker(s) {dead} stopped answering before finish(); "
+            f"AGN server {server.name!r}: worker(s) {dead} stopped answering before finish(){never}; "
             f"the server served the others to the end ({server.global_step} updates)",
             AGNWorkerLostWarning,
             stacklevel=2,
@@ -322,6 +545,8 @@ def run_parameter_server(
     restore_from: str | os.PathLike[str] | None = None,
     liveness_interval: float = 1.0,
     transport: Any = None,
+    refuse_for: float = 30.0,
+    join_timeout: float | None = None,
 ) -> list[Tensor]:
     """Serve AGN workers until each of ``num_worker`` has called ``finish()`` or died; the final center.
 
@@ -329,7 +554,18 @@ def run_parameter_server(
     process's RPC name, which workers pass as ``server=``). Workers may join at
     any time, before or after other workers' updates, and are served
     concurrently; see :class:`ParameterServer` for the guarantees. A worker that
-    dies is reported with :class:`AGNWorkerLostWarning`.
+    dies is reported with :class:`AGNWorkerLostWarning`; one the transport
+    knows of (an RPC group member) that dies before it joins counts as dead.
+
+    A server that is torn down while serving (``SIGTERM``, as torchrun sends
+    when another process of the job fails; ``Ctrl-C``; an error) writes a
+    last checkpoint to ``checkpoint_path`` first, if it has one.
+
+    A server that cannot start (a corrupt ``restore_from``, a bad argument)
+    answers every request with that error, so workers raise :class:`AGNError`
+    at once instead of waiting ``startup_timeout``; it does so until each
+    worker the transport knows of has asked or died, at most ``refuse_for``
+    seconds, then raises.
 
     Args:
         params: the initial center parameters (copied).
@@ -342,6 +578,11 @@ def run_parameter_server(
         liveness_interval: seconds between probes of the running workers.
         transport: the server side of a transport (default: RPC,
             :class:`~torchgrad_compat.agn.transport.RpcServerHost`).
+        refuse_for: seconds a server that could not start keeps telling workers why.
+        join_timeout: seconds after which the server waits no longer for
+            workers that have not joined (None: as long as it takes; over RPC a
+            worker that dies is noticed anyway, over gRPC one that never made
+            contact is not). They are counted in the ``AGNWorkerLostWarning``.
 
     Raises:
         ValueError: ``num_worker < 1``, an empty ``params``, or ``name`` is not
@@ -349,20 +590,84 @@ def run_parameter_server(
     """
     from .transport import RpcServerHost
 
-    if not (isinstance(liveness_interval, (int, float)) and liveness_interval > 0):
-        raise ValueError(f"liveness_interval must be a number > 0, got {liveness_interval!r}")
-    server = ParameterServer(
-        params,
-        optimizer_fn,
-        num_worker,
-        name=name,
-        checkpoint_path=checkpoint_path,
-        checkpoint_every=checkpoint_every,
-        restore_from=restore_from,
-    )
     host = RpcServerHost() if transport is None else transport
-    host.start(server)
     try:
-        return serve(server, host.is_alive, liveness_interval)
+        if not (isinstance(liveness_interval, (int, float)) and liveness_interval > 0):
+            raise ValueError(f"liveness_interval must be a number > 0, got {liveness_interval!r}")
+        if not (isinstance(refuse_for, (int, float)) and refuse_for >= 0):
+            raise ValueError(f"Invalid refuse_for value: {refuse_for!r}; expected a number >= 0")
+        if join_timeout is not None and not (isinstance(join_timeout, (int, float)) and join_timeout > 0):
+            raise ValueError(f"Invalid join_timeout value: {join_timeout!r}; expected None or a number > 0")
+        server = ParameterServer(
+            params,
+            optimizer_fn,
+            num_worker,
+            name=name,
+            checkpoint_path=checkpoint_path,
+            checkpoint_every=checkpoint_every,
+            restore_from=restore_from,
+        )
+    except Exception as e:
+        _refuse_until_told(
+            host, name, f"AGN server {name!r} could not start: {type(e).__name__}: {e}", refuse_for
+        )
+        raise
+    serving = False
+    try:
+        # SIGTERM becomes an exception from before the first request can arrive.
+        with _terminate_as_exit():
+            host.start(server)
+            serving = True
+            return serve(server, host.is_alive, liveness_interval, host.peers, join_timeout)
+    except BaseException:
+        if serving and checkpoint_path is not None:
+            _last_save(server)
+        raise
     finally:
         host.stop(server)
+
+
+def _last_save(server: ParameterServer) -> None:
+    """Save a server that is being torn down; a failure is reported, not raised over the reason it stops."""
+    try:
+        server.save()
+    except Exception as e:
+        warnings.warn(
+            f"AGN server {server.name!r} could not save its last checkpoint at update {server.global_step} "
+            f"({type(e).__name__}: {e})",
+            AGNCheckpointWarning,
+            stacklevel=3,
+        )
+
+
+def _refuse_until_told(host: Any, name: str, reason: str, refuse_for: float) -> None:
+    """Answer every request to ``name`` with ``reason`` until each known worker asked or died (bounded)."""
+    peers = set(host.peers())
+    told = host.refuse(name, reason)
+    deadline = time.monotonic() + refuse_for
+    try:
+        while time.monotonic() < deadline and any(w not in told and host.is_alive(w) for w in peers):
+            time.sleep(0.05)
+    finally:
+        host.stop_refusing(name)
+
+
+class _Terminated(SystemExit):
+    """SIGTERM arrived while serving."""
+
+
+class _terminate_as_exit:
+    """Turn SIGTERM into an exception in the main thread while serving, so the server saves before it dies."""
+
+    def __enter__(self) -> None:
+        self._previous = None
+        if threading.current_thread() is threading.main_thread():
+            self._previous = signal.signal(signal.SIGTERM, self._raise)
+
+    def __exit__(self, *exc: object) -> None:
+        if self._previous is not None:
+            signal.signal(signal.SIGTERM, self._previous)
+
+    @staticmethod
+    def _raise(signum: int, frame: Any) -> None:
+        raise _Terminated(128 + signum)

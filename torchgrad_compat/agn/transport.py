@@ -12,22 +12,28 @@ peer can make this process run any importable function (PyTorch's SECURITY.md:
 "for internal communication only … not built for use in untrusted
 environments or networks"). Use it on a trusted network only. The server's own
 entry point dispatches to the four requests above and nothing else, which
-limits what AGN itself exposes but is no security boundary.
+limits what AGN itself exposes but is no security boundary. For a shared host
+or network, ``grpc_transport.py`` authenticates every call.
 """
 
 from __future__ import annotations
 
-import ipaddress
+import fcntl
+import math
 import os
+import socket
+import struct
 import threading
 import time
 from abc import ABC, abstractmethod
+from datetime import timedelta
 from typing import TYPE_CHECKING, Any
 
 import torch
+import torch.distributed as dist
 import torch.distributed.rpc as rpc
 
-from .server import AGNError, AGNServerNotReadyError, AGNServerUnavailableError
+from .server import AGNError, AGNNameInUseError, AGNServerNotReadyError, AGNServerUnavailableError
 
 if TYPE_CHECKING:
     from .server import ParameterServer
@@ -62,11 +68,19 @@ class ServerEndpoint(ABC):
         """Send one request and wait for its answer."""
 
     def join(self, *args: Any, startup_timeout: float) -> Any:
-        """``request("join", ...)``, retried for up to ``startup_timeout`` s while the server is not ready."""
+        """``request("join", ...)``, retried for up to ``startup_timeout`` s while the server is not ready.
+
+        Also retried while the name is in use: a restarted worker waits for the
+        server to find its previous process dead.
+        """
         deadline = time.monotonic() + startup_timeout
         while True:
             try:
                 return self.request("join", *args)
+            except AGNNameInUseError:
+                if time.monotonic() >= deadline:
+                    raise
+                time.sleep(0.05)
             except (AGNServerNotReadyError, AGNServerUnavailableError) as e:
                 if time.monotonic() >= deadline:
                     raise AGNServerUnavailableError(
@@ -91,11 +105,35 @@ class ServerHost(ABC):
     def is_alive(self, worker: str) -> bool:
         """Whether ``worker`` still answers (a worker that does not is marked dead)."""
 
+    def peers(self) -> list[str]:
+        """The workers this transport knows of, joined or not (probed, so that one dying early ends)."""
+        return []
 
-def _handle(server: ParameterServer | None, name: str, method: str, worker: str, args: tuple) -> Any:
+    @abstractmethod
+    def refuse(self, name: str, reason: str) -> set[str]:
+        """Answer every request to the server ``name`` with :class:`AGNError` (``reason``) until
+        :meth:`stop_refusing`; the set of workers told so far, filled in as they ask."""
+
+    @abstractmethod
+    def stop_refusing(self, name: str) -> None:
+        """End :meth:`refuse`."""
+
+
+def _handle(
+    server: ParameterServer | None,
+    name: str,
+    method: str,
+    worker: str,
+    args: tuple,
+    refusal: tuple[str, set[str]] | None = None,
+) -> Any:
     """Run one request on ``server``: the single entry point every transport goes through."""
     if method not in REQUESTS:
         raise AGNError(f"AGN server {name!r} serves only {REQUESTS}, not {method!r}")
+    if refusal is not None:
+        reason, told = refusal
+        told.add(worker)
+        raise AGNError(reason)
     if server is None:
         raise AGNServerNotReadyError(f"no AGN server {name!r} is serving in this process yet")
     return getattr(server, method)(worker, *args)
@@ -119,7 +157,9 @@ class LocalServerHost(ServerHost):
     def __init__(self) -> None:
         self._server: ParameterServer | None = None
         self._stopped = False
+        self._refusal: tuple[str, set[str]] | None = None
         self.dead: set[str] = set()
+        self.known: list[str] = []  # what peers() reports
 
     def start(self, server: ParameterServer) -> None:
         self._server = server
@@ -130,13 +170,24 @@ class LocalServerHost(ServerHost):
     def is_alive(self, worker: str) -> bool:
         return worker not in self.dead
 
+    def peers(self) -> list[str]:
+        return list(self.known)
+
+    def refuse(self, name: str, reason: str) -> set[str]:
+        self._refusal = (reason, set())
+        return self._refusal[1]
+
+    def stop_refusing(self, name: str) -> None:
+        self._refusal = None
+        self._stopped = True
+
     def endpoint(self, worker: str, server: str = "ps") -> LocalEndpoint:
         return LocalEndpoint(self, worker, server)
 
     def _request(self, name: str, method: str, worker: str, args: tuple) -> Any:
         if self._stopped:
             raise AGNServerUnavailableError(f"AGN server {name!r} has stopped (worker {worker!r})")
-        return _copy(_handle(self._server, name, method, worker, _copy(args)))
+        return _copy(_handle(self._server, name, method, worker, _copy(args), self._refusal))
 
 
 class LocalEndpoint(ServerEndpoint):
@@ -152,6 +203,7 @@ class LocalEndpoint(ServerEndpoint):
 # ---------------------------------------------------------------------- torch.distributed.rpc
 _SERVERS: dict[str, ParameterServer] = {}
 _STOPPED: set[str] = set()
+_REFUSED: dict[str, tuple[str, set[str]]] = {}  # servers that could not start: why, and who was told
 _IN_FLIGHT: dict[str, int] = {}  # requests being handled, per server name
 _SERVERS_LOCK = threading.Lock()
 
@@ -160,8 +212,27 @@ _SERVERS_LOCK = threading.Lock()
 # torch also logs on the server, a traceback per refused request); only these types are rebuilt.
 _ANSWER_ERRORS = {
     e.__name__: e
-    for e in (ValueError, TypeError, AGNError, AGNServerNotReadyError, AGNServerUnavailableError)
+    for e in (
+        AGNServerNotReadyError,
+        AGNServerUnavailableError,
+        AGNNameInUseError,
+        AGNError,
+        ValueError,
+        TypeError,
+    )
 }
+
+
+def _error_answer(error: Exception, name: str, method: str) -> tuple[str, str]:
+    """``error`` as an answer the worker rebuilds: the closest of ``_ANSWER_ERRORS``, else an AGNError.
+
+    Any other failure of the server (its optimizer raising, say) reaches the
+    worker named as such, not as a connection that did not answer.
+    """
+    for kind, cls in _ANSWER_ERRORS.items():  # most specific first
+        if isinstance(error, cls):
+            return kind, str(error)
+    return "AGNError", f"AGN server {name!r} failed on {method!r}: {type(error).__name__}: {error}"
 
 
 def _rpc_request(name: str, method: str, worker: str, args: tuple) -> tuple[str, Any]:
@@ -169,13 +240,14 @@ def _rpc_request(name: str, method: str, worker: str, args: tuple) -> tuple[str,
     with _SERVERS_LOCK:
         server = _SERVERS.get(name)
         stopped = name in _STOPPED
+        refusal = _REFUSED.get(name)
         _IN_FLIGHT[name] = _IN_FLIGHT.get(name, 0) + 1
     try:
-        if server is None and stopped:
+        if server is None and stopped and refusal is None:
             raise AGNServerUnavailableError(f"AGN server {name!r} has stopped serving")
-        return "ok", _handle(server, name, method, worker, args)
-    except tuple(_ANSWER_ERRORS.values()) as e:
-        return type(e).__name__, str(e)
+        return "ok", _handle(server, name, method, worker, args, refusal)
+    except Exception as e:
+        return _error_answer(e, name, method)
     finally:
         with _SERVERS_LOCK:
             _IN_FLIGHT[name] -= 1
@@ -232,6 +304,24 @@ class RpcServerHost(ServerHost):
         except RuntimeError:
             return False
 
+    def peers(self) -> list[str]:
+        """Every other member of this static RPC group."""
+        me = rpc.get_worker_info().name
+        infos = rpc.api._get_current_rpc_agent().get_worker_infos()
+        return sorted(info.name for info in infos if info.name != me)
+
+    def refuse(self, name: str, reason: str) -> set[str]:
+        told: set[str] = set()
+        with _SERVERS_LOCK:
+            _REFUSED[name] = (reason, told)
+        return told
+
+    def stop_refusing(self, name: str) -> None:
+        with _SERVERS_LOCK:
+            _REFUSED.pop(name, None)
+            _STOPPED.add(name)
+        time.sleep(self._linger)  # the last refusal's answer leaves before the caller shuts RPC down
+
 
 class RpcEndpoint(ServerEndpoint):
     """Reach the AGN server named ``server`` over ``torch.distributed.rpc``.
@@ -276,31 +366,104 @@ class RpcEndpoint(ServerEndpoint):
         return answer
 
 
-def _is_loopback(addr: str) -> bool:
-    if addr == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(addr).is_loopback
-    except ValueError:  # a host name
-        return False
-
-
-def init_rpc_from_env(*, server_rank: int = 0, server_name: str = "ps", rpc_timeout: float = 60.0) -> str:
+def init_rpc_from_env(
+    *,
+    server_rank: int = 0,
+    server_name: str = "ps",
+    rpc_timeout: float = 60.0,
+    startup_timeout: float = 60.0,
+) -> str:
     """Initialise RPC from torchrun's environment; this process's name (``server_name`` or ``worker<rank>``).
 
-    Reads ``RANK``, ``WORLD_SIZE`` and the rendezvous (``env://``: ``MASTER_ADDR``,
-    ``MASTER_PORT``, or torchrun's own store). When ``MASTER_ADDR`` is a loopback
-    address, TensorPipe is told to listen on the loopback interface only
-    (``TP_SOCKET_IFNAME=lo``, unless already set); otherwise it listens on the
-    host's address, reachable by anyone on the network (see the trust model in
-    this module's docstring).
+    Reads ``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR`` (default ``127.0.0.1``) and
+    ``MASTER_PORT``. The rendezvous must complete within ``startup_timeout``
+    seconds (every process started and reachable), else
+    :class:`AGNServerUnavailableError` names the address.
+
+    Nothing listens on more than the configured address: rank 0 hosts the
+    rendezvous store on ``MASTER_ADDR`` only (not on every interface, as
+    ``env://`` does), and TensorPipe listens on the interface that reaches
+    ``MASTER_ADDR`` (``TP_SOCKET_IFNAME``, unless already set; IPv4). Under
+    torchrun the store is torchrun's own (``TORCHELASTIC_USE_AGENT_STORE``), and
+    every rank is its client. Listening on one address is not authentication:
+    see the trust model in this module's docstring.
     """
+    if not (isinstance(startup_timeout, (int, float)) and 0 < startup_timeout < math.inf):
+        raise ValueError(f"Invalid startup_timeout value: {startup_timeout!r}; expected a number > 0")
     rank = int(os.environ["RANK"])
     world_size = int(os.environ["WORLD_SIZE"])
     addr = os.environ.get("MASTER_ADDR", "127.0.0.1")
-    if _is_loopback(addr):
-        os.environ.setdefault("TP_SOCKET_IFNAME", "lo")
+    port = int(os.environ["MASTER_PORT"])
+    interface = _interface_towards(addr, port)
+    if interface is not None:
+        os.environ.setdefault("TP_SOCKET_IFNAME", interface)
     name = server_name if rank == server_rank else f"worker{rank}"
-    options = rpc.TensorPipeRpcBackendOptions(init_method="env://", rpc_timeout=rpc_timeout)
-    rpc.init_rpc(name, rank=rank, world_size=world_size, rpc_backend_options=options)
+    store = _rendezvous_store(addr, port, rank, world_size, startup_timeout)
+    key = f"agn://store{id(store)}"
+    _STORES[key] = (store, rank, world_size)
+    options = rpc.TensorPipeRpcBackendOptions(init_method=key, rpc_timeout=rpc_timeout)
+    try:
+        rpc.init_rpc(name, rank=rank, world_size=world_size, rpc_backend_options=options)
+    finally:
+        _STORES.pop(key, None)
     return name
+
+
+# Stores made by init_rpc_from_env, handed to rpc.init_rpc through torch's rendezvous registry.
+_STORES: dict[str, tuple[dist.Store, int, int]] = {}
+
+
+def _store_rendezvous(url: str, **kwargs: Any) -> Any:
+    """torch's rendezvous handler for ``agn://``: the store init_rpc_from_env made (``url`` gains a query)."""
+    yield _STORES[url.split("?", 1)[0]]
+    raise RuntimeError("an agn:// rendezvous cannot be repeated; call init_rpc_from_env again")
+
+
+dist.register_rendezvous_handler("agn", _store_rendezvous)
+
+
+def _rendezvous_store(addr: str, port: int, rank: int, world_size: int, timeout_s: float) -> dist.Store:
+    """The rendezvous TCPStore: rank 0 hosts it on ``addr`` only, the others join; within ``timeout_s``."""
+    timeout = timedelta(seconds=timeout_s)
+    where = f"{addr}:{port} (rank {rank} of {world_size})"
+    agent_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+    try:
+        if rank != 0 or agent_store:
+            return dist.TCPStore(addr, port, world_size, False, timeout)
+        listener = socket.create_server((addr, port), family=_family(addr), backlog=128)
+        # The store takes the listening socket over: it accepts on this address only.
+        return dist.TCPStore(
+            addr, port, world_size, True, timeout, wait_for_workers=True, master_listen_fd=listener.detach()
+        )
+    except (OSError, RuntimeError) as e:  # DistStoreError (a RuntimeError) on timeout
+        raise AGNServerUnavailableError(
+            f"AGN rendezvous at {where} did not complete within startup_timeout={timeout_s} s: {e}"
+        ) from e
+
+
+def _family(addr: str) -> socket.AddressFamily:
+    return socket.getaddrinfo(addr, None, type=socket.SOCK_STREAM)[0][0]
+
+
+def _interface_towards(addr: str, port: int) -> str | None:
+    """The name of the local IPv4 interface this host uses to reach ``addr`` (None: not found)."""
+    try:
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+            probe.connect((addr, port))  # UDP: picks the route, sends nothing
+            local = probe.getsockname()[0]
+    except OSError:
+        return None
+    for _, interface in socket.if_nameindex():
+        if _ipv4_address(interface) == local:
+            return interface
+    return None
+
+
+def _ipv4_address(interface: str) -> str | None:
+    siocgifaddr = 0x8915
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        try:
+            packed = fcntl.ioctl(s.fileno(), siocgifaddr, struct.pack("256s", interface.encode()[:15]))
+        except OSError:  # no IPv4 address on it
+            return None
+    return socket.inet_ntoa(packed[20:24])

@@ -1,0 +1,288 @@
+"""AGN over gRPC: a transport that authenticates its peers and survives malformed input.
+
+The same four requests as over ``torch.distributed.rpc`` (``join``, ``push``,
+``finish``, ``snapshot``), through one gRPC method; the AGN code does not
+change. Needs ``grpcio`` (``pip install grpcio``).
+
+Trust model:
+
+* Every call carries a shared secret token (gRPC metadata ``agn-token``),
+  compared in constant time before anything else is read; a call without it
+  gets ``UNAUTHENTICATED`` and the server carries on. Bytes that are not gRPC
+  (HTTP/2) are dropped by gRPC itself.
+* Payloads are decoded with ``torch.load(weights_only=True)``: tensors, numbers,
+  strings, dtypes and plain containers, never code. A payload that does not
+  decode, or is not a request, gets ``INVALID_ARGUMENT``.
+* With ``certificate_chain``/``private_key`` on the server and
+  ``root_certificates`` on the workers the channel is TLS, so neither the
+  token nor the tensors can be read or changed on the wire. Without TLS the
+  token travels in clear: use that on loopback or a trusted network only.
+* The server listens on the given address only.
+
+Liveness: a worker's endpoint sends a heartbeat every ``heartbeat_interval``
+seconds from its creation; the server counts a worker as alive while it has
+heard from it within ``lease`` seconds, so one that dies, even before it
+joins, is lost once its lease runs out.
+"""
+
+from __future__ import annotations
+
+import hmac
+import io
+import threading
+import time
+from concurrent import futures
+from typing import TYPE_CHECKING, Any
+
+import grpc
+import torch
+
+from .server import AGNError, AGNServerUnavailableError
+from .transport import _ANSWER_ERRORS, ServerEndpoint, ServerHost, _error_answer, _handle
+
+if TYPE_CHECKING:
+    from .server import ParameterServer
+
+__all__ = ["GrpcEndpoint", "GrpcServerHost"]
+
+_METHOD = "/torchgrad_compat.agn.AGN/Request"
+_TOKEN_KEY = "agn-token"
+_HEARTBEAT = "heartbeat"  # handled by the host, never reaches the parameter server
+
+
+def _encode(value: Any) -> bytes:
+    buffer = io.BytesIO()
+    torch.save(value, buffer)
+    return buffer.getvalue()
+
+
+def _decode(data: bytes) -> Any:
+    return torch.load(io.BytesIO(data), weights_only=True)
+
+
+def _channel_options(max_message_bytes: int) -> list[tuple[str, int]]:
+    return [
+        ("grpc.max_send_message_length", max_message_bytes),
+        ("grpc.max_receive_message_length", max_message_bytes),
+    ]
+
+
+def _check_token(token: Any) -> bytes:
+    if not isinstance(token, str) or len(token) < 16:
+        raise ValueError(
+            f"Invalid token value: {token!r}; expected a secret string of at least 16 characters"
+        )
+    return token.encode()
+
+
+class GrpcServerHost(ServerHost):
+    """Serve AGN workers over gRPC on ``address`` (``"host:port"``; port 0 picks one, see :attr:`port`).
+
+    Args:
+        address: where to listen, e.g. ``"127.0.0.1:29600"``; only there.
+        token: the shared secret every worker presents (>= 16 characters).
+        certificate_chain, private_key: PEM bytes; both given: TLS.
+        lease: seconds without a heartbeat after which a worker counts as dead.
+        max_message_bytes: the largest request or answer (a push holds every parameter).
+        threads: requests served at once.
+        linger: seconds :meth:`stop` lets the last answers leave.
+    """
+
+    def __init__(
+        self,
+        address: str,
+        token: str,
+        *,
+        certificate_chain: bytes | None = None,
+        private_key: bytes | None = None,
+        lease: float = 10.0,
+        max_message_bytes: int = 1 << 30,
+        threads: int = 16,
+        linger: float = 0.5,
+    ):
+        if (certificate_chain is None) != (private_key is None):
+            raise ValueError("certificate_chain and private_key go together (TLS), got only one of them")
+        if not (isinstance(lease, (int, float)) and lease > 0):
+            raise ValueError(f"Invalid lease value: {lease!r}; expected a number of seconds > 0")
+        self._address = address
+        self._token = _check_token(token)
+        self._credentials = (
+            None
+            if certificate_chain is None
+            else grpc.ssl_server_credentials([(private_key, certificate_chain)])
+        )
+        self._lease = lease
+        self._max_message_bytes = max_message_bytes
+        self._threads = threads
+        self._linger = linger
+        self._grpc: grpc.Server | None = None
+        self._server: ParameterServer | None = None
+        self._name = "ps"
+        self._stopped = False
+        self._refusal: tuple[str, set[str]] | None = None
+        self._heard: dict[str, float] = {}
+        self._lock = threading.Lock()
+        self.port: int | None = None
+
+    # ------------------------------------------------------------------ ServerHost
+    def start(self, server: ParameterServer) -> None:
+        self._listen()
+        with self._lock:
+            self._server, self._name, self._stopped = server, server.name, False
+
+    def stop(self, server: ParameterServer) -> None:
+        with self._lock:
+            self._server, self._stopped = None, True
+        self._close()
+
+    def is_alive(self, worker: str) -> bool:
+        with self._lock:
+            heard = self._heard.get(worker)
+        return heard is not None and time.monotonic() - heard < self._lease
+
+    def peers(self) -> list[str]:
+        """Every worker heard from, a heartbeat being enough: one that dies before it joins is lost."""
+        with self._lock:
+            return list(self._heard)
+
+    def refuse(self, name: str, reason: str) -> set[str]:
+        self._listen()
+        told: set[str] = set()
+        with self._lock:
+            self._name, self._refusal = name, (reason, told)
+        return told
+
+    def stop_refusing(self, name: str) -> None:
+        with self._lock:
+            self._refusal, self._stopped = None, True
+        self._close()
+
+    # ------------------------------------------------------------------ gRPC
+    def _listen(self) -> None:
+        if self._grpc is not None:
+            return
+        server = grpc.server(
+            futures.ThreadPoolExecutor(max_workers=self._threads),
+            options=_channel_options(self._max_message_bytes),
+        )
+        handler = grpc.unary_unary_rpc_method_handler(self._request)
+        service, method = _METHOD.strip("/").split("/")
+        server.add_generic_rpc_handlers([grpc.method_handlers_generic_handler(service, {method: handler})])
+        if self._credentials is None:
+            port = server.add_insecure_port(self._address)
+        else:
+            port = server.add_secure_port(self._address, self._credentials)
+        if port == 0:
+            raise ValueError(f"Invalid address value: {self._address!r}; gRPC could not listen there")
+        server.start()
+        self._grpc, self.port = server, port
+
+    def _close(self) -> None:
+        if self._grpc is not None:
+            self._grpc.stop(grace=self._linger).wait()
+            self._grpc = None
+
+    def _request(self, data: bytes, context: grpc.ServicerContext) -> bytes:
+        """One call: the token first, then the payload's shape, then the AGN request."""
+        presented = dict(context.invocation_metadata()).get(_TOKEN_KEY, "")
+        if not hmac.compare_digest(presented.encode() if isinstance(presented, str) else b"", self._token):
+            context.abort(grpc.StatusCode.UNAUTHENTICATED, "AGN server: missing or wrong token")
+        try:
+            method, worker, args = _decode(data)
+            if not (isinstance(method, str) and isinstance(worker, str) and isinstance(args, tuple)):
+                raise TypeError("not (method, worker, args)")
+        except Exception as e:  # anything torch.load or the unpacking raises on bytes from outside
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"AGN server: malformed request ({e})")
+        with self._lock:
+            self._heard[worker] = time.monotonic()
+            server, refusal, stopped = self._server, self._refusal, self._stopped
+        if method == _HEARTBEAT:
+            return _encode(("ok", None))
+        try:
+            if server is None and stopped:
+                raise AGNServerUnavailableError(f"AGN server {self._name!r} has stopped serving")
+            return _encode(("ok", _handle(server, self._name, method, worker, args, refusal)))
+        except Exception as e:
+            return _encode(_error_answer(e, self._name, method))
+
+
+class GrpcEndpoint(ServerEndpoint):
+    """A worker's connection to a :class:`GrpcServerHost` at ``address``.
+
+    Args:
+        address: the server's ``"host:port"``.
+        worker: this worker's name (unique among the workers).
+        token: the shared secret of the server.
+        server: the server's name, for messages.
+        root_certificates: PEM bytes of the CA that signed the server's
+            certificate: the channel is TLS. None: plain TCP.
+        timeout: seconds per request.
+        heartbeat_interval: seconds between heartbeats (keep it well under the
+            server's ``lease``).
+        max_message_bytes: the largest request or answer.
+    """
+
+    def __init__(
+        self,
+        address: str,
+        worker: str,
+        token: str,
+        *,
+        server: str = "ps",
+        root_certificates: bytes | None = None,
+        timeout: float = 60.0,
+        heartbeat_interval: float = 2.0,
+        max_message_bytes: int = 1 << 30,
+    ):
+        if not isinstance(worker, str) or not worker:
+            raise ValueError(f"Invalid worker value: {worker!r}; expected this worker's name")
+        self.server = server
+        self.worker = worker
+        self._address = address
+        self._metadata = ((_TOKEN_KEY, token),)
+        _check_token(token)
+        self._timeout = timeout
+        options = _channel_options(max_message_bytes)
+        if root_certificates is None:
+            self._channel = grpc.insecure_channel(address, options=options)
+        else:
+            credentials = grpc.ssl_channel_credentials(root_certificates=root_certificates)
+            self._channel = grpc.secure_channel(address, credentials, options=options)
+        self._call = self._channel.unary_unary(_METHOD)
+        self._closed = threading.Event()
+        self._heartbeat = threading.Thread(target=self._beat, args=(heartbeat_interval,), daemon=True)
+        self._heartbeat.start()
+
+    def request(self, method: str, *args: Any) -> Any:
+        try:
+            data = self._call(
+                _encode((method, self.worker, args)), timeout=self._timeout, metadata=self._metadata
+            )
+        except grpc.RpcError as e:
+            code = e.code()
+            if code in (grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.INVALID_ARGUMENT):
+                raise AGNError(
+                    f"AGN server {self.server!r} at {self._address} refused {method!r} from worker "
+                    f"{self.worker!r}: {code.name}: {e.details()}"
+                ) from e
+            raise AGNServerUnavailableError(
+                f"AGN server {self.server!r} at {self._address} did not answer {method!r} from worker "
+                f"{self.worker!r} (dead, stopped or slower than timeout={self._timeout} s): "
+                f"{code.name}: {e.details()}"
+            ) from e
+        kind, answer = _decode(data)
+        if kind != "ok":
+            raise _ANSWER_ERRORS[kind](answer)
+        return answer
+
+    def close(self) -> None:
+        """Stop the heartbeat and close the channel."""
+        self._closed.set()
+        self._channel.close()
+
+    def _beat(self, interval: float) -> None:
+        while not self._closed.wait(interval):
+            try:
+                self.request(_HEARTBEAT)
+            except (AGNError, ValueError):  # the server is away or refuses: the next request says so
+                pass
