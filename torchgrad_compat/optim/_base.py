@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import functools
 import math
+import struct
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -56,12 +57,27 @@ def check_range(
 
     Written as ``not (low <= value < high)`` so that NaN is rejected too.
     """
+    if not _in_range(value, low, high, low_inclusive, high_inclusive):
+        interval = _interval(low, high, low_inclusive, high_inclusive)
+        raise ValueError(f"Invalid {arg} value: {value!r}; expected a value in {interval}")
+
+
+def _in_range(value: float, low: float, high: float, low_inclusive: bool, high_inclusive: bool) -> bool:
     above = low <= value if low_inclusive else low < value
     below = value <= high if high_inclusive else value < high
-    if not (above and below):
-        left = "[" if low_inclusive else "("
-        right = "]" if high_inclusive else ")"
-        raise ValueError(f"Invalid {arg} value: {value!r}; expected a value in {left}{low}, {high}{right}")
+    return above and below
+
+
+def _interval(low: float, high: float, low_inclusive: bool, high_inclusive: bool) -> str:
+    return f"{'[' if low_inclusive else '('}{low}, {high}{']' if high_inclusive else ')'}"
+
+
+def _round_to_float32(value: float) -> float:
+    """``value`` rounded to float32 (inf beyond its range), without a tensor."""
+    try:
+        return struct.unpack("f", struct.pack("f", value))[0]
+    except OverflowError:
+        return math.copysign(math.inf, value)
 
 
 @dataclass(frozen=True)
@@ -80,16 +96,24 @@ class Hyper:
     high_inclusive: bool = False
 
     def check(self, value: Any) -> None:
+        """Check ``value``'s type and range, as given and as the update math sees it (float32).
+
+        Every hyperparameter reaches the update as a float32 scalar (TF's
+        conversion, see ``HyperScalars``), whatever the parameter dtype: a value
+        in range as a Python float can leave it there (``1e39`` becomes inf,
+        ``1 - 1e-10`` becomes 1.0), so the rounded value is checked too.
+        """
         if callable(value) and not isinstance(value, Tensor):
             return
-        check_range(
-            self.arg,
-            _to_float(self.arg, value),
-            self.low,
-            self.high,
-            low_inclusive=self.low_inclusive,
-            high_inclusive=self.high_inclusive,
-        )
+        number = _to_float(self.arg, value)
+        bounds = (self.low, self.high, self.low_inclusive, self.high_inclusive)
+        check_range(self.arg, number, *bounds[:2], low_inclusive=bounds[2], high_inclusive=bounds[3])
+        rounded = _round_to_float32(number)
+        if not _in_range(rounded, *bounds):
+            raise ValueError(
+                f"Invalid {self.arg} value: {value!r}; expected a value in {_interval(*bounds)} "
+                f"once rounded to float32, the precision the update uses (it rounds to {rounded!r})"
+            )
 
 
 @dataclass(frozen=True)
@@ -116,6 +140,8 @@ def _to_float(arg: str, value: Any) -> float:
                 f"{arg} given as a tensor must be 0-d and floating point, "
                 f"got shape {tuple(value.shape)} and dtype {value.dtype}"
             )
+        if value.is_meta:
+            raise ValueError(f"Invalid {arg} value: {value!r}; a meta tensor holds no number to train with")
         return float(value)
     return float(value)
 
@@ -421,32 +447,44 @@ class Optimizer(torch.optim.Optimizer):
         return sd
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Load a ``state_dict``, first checking that it fits this optimizer.
+        """Load a ``state_dict``, first checking all of it: a load is all or nothing.
 
-        Raises ``ValueError`` (and changes nothing) when the groups differ in
-        number or size, a saved slot is missing or has the wrong shape, or the
-        non-slot state is missing or incomplete.
+        Raises ``ValueError`` or ``TypeError`` (and changes nothing) when the
+        groups differ in number or size, a saved hyperparameter fails the
+        constructor's checks, a saved slot is missing or not a floating tensor
+        of the parameter's shape, or the non-slot state is missing, incomplete,
+        of the wrong shape or kind, or not finite.
         """
         state_dict = dict(state_dict)
-        non_slot = state_dict.pop("non_slot_state", None)
+        non_slot = self._validate_state_dict(state_dict)
+        state_dict.pop("non_slot_state", None)
+        super().load_state_dict(state_dict)
+        self._non_slot = [
+            {k: v.detach().to(device=ns[k].device, dtype=ns[k].dtype).clone() for k, v in saved_ns.items()}
+            for saved_ns, ns in zip(non_slot, self._non_slot, strict=True)
+        ]
+
+    def _validate_state_dict(self, state_dict: dict[str, Any]) -> list[dict[str, Tensor]]:
+        """Check everything ``load_state_dict`` will load; return the non-slot state to load."""
         saved_groups = state_dict.get("param_groups")
-        if not isinstance(saved_groups, list) or "state" not in state_dict:
+        if not isinstance(saved_groups, list) or not isinstance(state_dict.get("state"), dict):
             raise ValueError("state_dict must hold 'state' and 'param_groups' (from Optimizer.state_dict())")
         if len(saved_groups) != len(self.param_groups):
             raise ValueError("loaded state dict has a different number of parameter groups")
         cls = type(self).__name__
         id_to_param: dict[Any, tuple[Tensor, dict[str, Any]]] = {}
-        for saved, group in zip(saved_groups, self.param_groups, strict=True):
+        for i, (saved, group) in enumerate(zip(saved_groups, self.param_groups, strict=True)):
+            if not isinstance(saved, dict) or "params" not in saved:
+                raise ValueError(f"{cls}: loaded param group {i} must be a dict holding 'params'")
             if len(saved["params"]) != len(group["params"]):
                 raise ValueError(
                     "loaded state dict contains a parameter group that doesn't match the size "
                     "of optimizer's group"
                 )
+            merged = {**group, **{k: v for k, v in saved.items() if k != "params"}}
+            _check_group_values(merged, self._hypers)
             for pid, p in zip(saved["params"], group["params"], strict=True):
-                id_to_param[pid] = (
-                    p,
-                    {**group, **{k: v for k, v in saved.items() if k != "params"}},
-                )
+                id_to_param[pid] = (p, merged)
         for pid, slots in state_dict["state"].items():
             if pid not in id_to_param:
                 raise ValueError(f"loaded state dict holds state for an unknown parameter id {pid!r}")
@@ -457,26 +495,31 @@ class Optimizer(torch.optim.Optimizer):
                         f"{cls}: loaded state of parameter {pid} lacks slot {slot!r} "
                         f"(it holds {sorted(slots)}); was it saved from another optimizer?"
                     )
-                if tuple(slots[slot].shape) != tuple(p.shape):
+                value = slots[slot]
+                if not isinstance(value, Tensor) or not value.is_floating_point():
+                    raise TypeError(
+                        f"{cls}: loaded slot {slot!r} of parameter {pid} must be a floating tensor, "
+                        f"got {_describe(value)}"
+                    )
+                if tuple(value.shape) != tuple(p.shape):
                     raise ValueError(
                         f"{cls}: loaded slot {slot!r} of parameter {pid} has shape "
-                        f"{tuple(slots[slot].shape)}, expected the parameter's shape {tuple(p.shape)}"
+                        f"{tuple(value.shape)}, expected the parameter's shape {tuple(p.shape)}"
                     )
+        non_slot = state_dict.get("non_slot_state")
         if non_slot is None:
             non_slot = [{} for _ in self.param_groups] if not any(self._non_slot) else None
-        if non_slot is None or len(non_slot) != len(self.param_groups):
+        if not isinstance(non_slot, list) or len(non_slot) != len(self.param_groups):
             raise ValueError(f"{cls}: loaded state dict lacks 'non_slot_state' for each parameter group")
         for i, (saved_ns, ns) in enumerate(zip(non_slot, self._non_slot, strict=True)):
-            if set(saved_ns) != set(ns):
+            if not isinstance(saved_ns, dict) or set(saved_ns) != set(ns):
+                held = sorted(saved_ns) if isinstance(saved_ns, dict) else saved_ns
                 raise ValueError(
-                    f"{cls}: loaded non-slot state of group {i} holds {sorted(saved_ns)}, "
-                    f"expected {sorted(ns)}"
+                    f"{cls}: loaded non-slot state of group {i} holds {held!r}, expected {sorted(ns)}"
                 )
-        super().load_state_dict(state_dict)
-        self._non_slot = [
-            {k: v.detach().to(device=ns[k].device, dtype=ns[k].dtype).clone() for k, v in saved_ns.items()}
-            for saved_ns, ns in zip(non_slot, self._non_slot, strict=True)
-        ]
+            for key, value in saved_ns.items():
+                _check_non_slot(cls, f"{key} (group {i})", value, ns[key])
+        return non_slot
 
     # ------------------------------------------------------------------ the update path
     def _use_foreach(self, group: dict[str, Any], params: list[Tensor]) -> bool:
@@ -539,8 +582,9 @@ class Optimizer(torch.optim.Optimizer):
         for gi, pairs in grouped.items():
             for g, p in pairs:
                 (sparse if g.is_sparse else dense).setdefault(gi, []).append((g, p))
-        for gi, group in enumerate(self.param_groups):
-            values = _evaluate(group, self._hypers)
+        # Every group's values are checked before any group is updated: a step is all or nothing.
+        evaluated = [_evaluate(group, self._hypers) for group in self.param_groups]
+        for gi, (group, values) in enumerate(zip(self.param_groups, evaluated, strict=True)):
             non_slot = self._non_slot[gi]
             for _, p in dense.get(gi, []) + sparse.get(gi, []):
                 if not self.state.get(p):
@@ -701,15 +745,55 @@ def compute_gradients(
 
 
 def _evaluate(group: dict[str, Any], hypers: tuple[Hyper | Flag, ...]) -> dict[str, Any]:
-    """The group's hyperparameter values, callables evaluated (TF's ``_call_if_callable``)."""
+    """The group's hyperparameter values, callables evaluated (TF's ``_call_if_callable``), checked.
+
+    A value may have changed since the constructor checked it (an LR scheduler,
+    ``group["lr"] = ...``, a callable), so each is checked again before it is
+    used, with the constructor's ranges. Numbers and CPU tensors are read on
+    the host, which costs no device synchronisation; a tensor on an
+    accelerator is checked when set (constructor, ``add_param_group``,
+    ``load_state_dict``) but not at every step, as reading it would stall the
+    device.
+    """
     values: dict[str, Any] = {}
     for spec in hypers:
         value = group[spec.key]
         if isinstance(spec, Hyper) and callable(value) and not isinstance(value, Tensor):
             value = value()
+        if not (isinstance(value, Tensor) and value.device.type not in ("cpu", "meta")):
             spec.check(value)
         values[spec.key] = value
     return values
+
+
+def _check_group_values(group: dict[str, Any], hypers: tuple[Hyper | Flag, ...]) -> None:
+    """Check a param group's hyperparameters as the constructor does (``load_state_dict``)."""
+    for spec in hypers:
+        if spec.key in group:
+            spec.check(group[spec.key])
+    if group.get("foreach") is not None and not isinstance(group["foreach"], bool):
+        raise TypeError(f"foreach must be None or a bool, got {group['foreach']!r}")
+
+
+def _check_non_slot(cls: str, name: str, value: Any, current: Tensor) -> None:
+    """A loaded non-slot tensor must match the kind and shape of ``current`` and be finite.
+
+    It is read on the host once, at load time: a NaN beta power would turn
+    every later update into NaN.
+    """
+    if (
+        not isinstance(value, Tensor)
+        or value.shape != current.shape
+        or value.dtype.is_floating_point != current.dtype.is_floating_point
+        or value.dtype == torch.bool
+    ):
+        kind = "floating" if current.dtype.is_floating_point else "integer"
+        raise TypeError(
+            f"{cls}: loaded non-slot state {name} must be a {kind} tensor of shape "
+            f"{tuple(current.shape)}, got {_describe(value)}"
+        )
+    if value.is_meta or not bool(torch.isfinite(value).all()):
+        raise ValueError(f"Invalid {name} value: {value!r}; expected finite numbers")
 
 
 def _check_grad(cls: str, g: Any, p: Tensor) -> None:
@@ -731,19 +815,44 @@ def _check_grad(cls: str, g: Any, p: Tensor) -> None:
                 f"{cls}: sparse gradients must be row-sparse (sparse_dim 1, as from "
                 f"nn.Embedding(sparse=True) or TF's IndexedSlices), got sparse_dim {g.sparse_dim()}"
             )
+        _check_rows(cls, g, p)
     elif g.layout != torch.strided:
         raise ValueError(f"{cls}: gradient layout {g.layout} is not supported (strided or sparse COO)")
 
 
+def _check_rows(cls: str, g: Tensor, p: Tensor) -> None:
+    """Refuse a sparse gradient whose row indices fall outside ``p``.
+
+    torch builds sparse tensors without checking their indices
+    (``check_invariants=False``), and an index past the end fails only inside
+    the update, after other parameters were changed. Reading the bounds is one
+    host synchronisation per sparse gradient; the sparse path already pays one
+    to coalesce.
+    """
+    rows = g._indices()[0]
+    if rows.numel() == 0:
+        return
+    low, high = (int(x) for x in torch.stack(torch.aminmax(rows)).tolist())
+    if low < 0 or high >= p.shape[0]:
+        bad = low if low < 0 else high
+        raise ValueError(
+            f"{cls}: sparse gradient row index {bad} is out of range for variable {_describe(p)} "
+            f"(valid rows: 0 to {p.shape[0] - 1})"
+        )
+
+
+# int32 and int64, as TF's global_step; narrower integers wrap within a training run (uint8 at 256 steps).
+_GLOBAL_STEP_DTYPES = (torch.int32, torch.int64)
+
+
 def _check_global_step(global_step: Any) -> None:
-    if (
-        not isinstance(global_step, Tensor)
-        or global_step.dim() != 0
-        or global_step.is_floating_point()
-        or global_step.is_complex()
-        or global_step.dtype == torch.bool
-    ):
+    if not isinstance(global_step, Tensor) or global_step.dim() != 0 or global_step.dtype.is_floating_point:
         raise TypeError(f"global_step must be a 0-d integer tensor, got {_describe(global_step)}")
+    if global_step.dtype not in _GLOBAL_STEP_DTYPES:
+        raise TypeError(
+            "global_step must be a 0-d int32 or int64 tensor (as TensorFlow's), got "
+            f"{_describe(global_step)}; a narrower integer wraps around during training"
+        )
 
 
 def _describe(v: Any) -> str:

@@ -1,0 +1,62 @@
+"""Hyperparameters that go bad after construction, for the optimizers where TF's range says so.
+
+The generic table (test_optim_generic.py) covers what holds for every optimizer:
+a learning rate written into a group, sparse rows out of range, loaded state.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+import torchgrad_compat.optim as tgo
+
+
+def _pair(value: float = 1.0):
+    p = torch.ones(3, requires_grad=True)
+    return p, torch.full((3,), value)
+
+
+def test_lambda_lr_driving_ftrl_learning_rate_to_zero_is_refused_before_the_update():
+    p, g = _pair()
+    opt = tgo.FtrlOptimizer([p], learning_rate=0.1)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda epoch: 1.0 - epoch)
+    p.grad = g
+    opt.step()
+    sched.step()  # FTRL divides by the learning rate: TF requires it to be > 0
+    before = (p.detach().clone(), {k: v.clone() for k, v in opt.state[p].items()})
+    with pytest.raises(
+        ValueError, match=r"Invalid learning_rate value: 0\.0; expected a value in \(0\.0, inf\)"
+    ):
+        opt.step()
+    assert torch.equal(p.detach(), before[0])
+    assert all(torch.equal(opt.state[p][k], v) for k, v in before[1].items())
+
+
+@pytest.mark.parametrize(
+    ("key", "value"), [("beta1", 1.0), ("beta2", 1.0), ("epsilon", 1e39), ("beta1", math.nan)]
+)
+def test_adam_hyperparameters_written_after_construction_are_checked(key, value):
+    p, g = _pair()
+    opt = tgo.AdamOptimizer([p], learning_rate=0.1)
+    opt.apply_gradients([(g, p)])
+    powers = [v.clone() for v in opt.state_dict()["non_slot_state"][0].values()]
+    opt.param_groups[0][key] = value
+    with pytest.raises(ValueError, match=f"Invalid {key} value"):
+        opt.apply_gradients([(g, p)])
+    after = list(opt.state_dict()["non_slot_state"][0].values())
+    assert all(torch.equal(a, b) for a, b in zip(after, powers, strict=True))  # beta powers did not advance
+
+
+def test_hyperparameters_are_checked_in_float32_whatever_the_parameter_dtype():
+    # TF converts every hyperparameter to a float32 tensor before casting it to the variable's dtype,
+    # and so does HyperScalars: 1e39 is inf there even for a float64 variable.
+    p = torch.ones(3, dtype=torch.float64, requires_grad=True)
+    with pytest.raises(ValueError, match=r"momentum value: 1e\+40.*rounds to inf"):
+        tgo.MomentumOptimizer([p], learning_rate=0.1, momentum=1e40)
+    with pytest.raises(ValueError, match="l2_shrinkage_regularization_strength value: 1e\\+39"):
+        tgo.FtrlOptimizer([p], learning_rate=0.1, l2_shrinkage_regularization_strength=1e39)
+    # The largest float32 is still a number: accepted.
+    tgo.GradientDescentOptimizer([p], learning_rate=3.4028234663852886e38)
