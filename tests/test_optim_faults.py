@@ -60,3 +60,26 @@ def test_hyperparameters_are_checked_in_float32_whatever_the_parameter_dtype():
         tgo.FtrlOptimizer([p], learning_rate=0.1, l2_shrinkage_regularization_strength=1e39)
     # The largest float32 is still a number: accepted.
     tgo.GradientDescentOptimizer([p], learning_rate=3.4028234663852886e38)
+
+
+@pytest.mark.parametrize(
+    ("cls", "arg"),
+    [
+        (tgo.AdagradOptimizer, "initial_accumulator_value"),
+        (tgo.ProximalAdagradOptimizer, "initial_accumulator_value"),
+        (tgo.FtrlOptimizer, "initial_accumulator_value"),
+        (tgo.AdagradDAOptimizer, "initial_gradient_squared_accumulator_value"),
+    ],
+    ids=lambda x: getattr(x, "__name__", x),
+)
+def test_slot_initial_values_are_checked_in_the_slot_dtype(cls, arg):
+    # The slot is filled in the parameter's dtype: 1e5 is inf in float16 (every later update would be 0),
+    # 1e39 is a number in float64, as in TF's constant initializer.
+    half = torch.ones(3, dtype=torch.float16, requires_grad=True)
+    with pytest.raises(ValueError, match=rf"Invalid {arg} value: 100000\.0.*rounded to float16"):
+        cls([half], learning_rate=0.1, **{arg: 1e5})
+    wide = torch.ones(3, dtype=torch.float64, requires_grad=True)
+    opt = cls([wide], learning_rate=0.1, **{arg: 1e39})
+    opt.add_param_group({"params": [torch.ones(2, requires_grad=True)], arg: 1.0})
+    with pytest.raises(ValueError, match="rounded to float32"):
+        opt.add_param_group({"params": [torch.ones(2, requires_grad=True)]})  # 1e39 reaches a float32 slot

@@ -72,12 +72,16 @@ def _interval(low: float, high: float, low_inclusive: bool, high_inclusive: bool
     return f"{'[' if low_inclusive else '('}{low}, {high}{']' if high_inclusive else ')'}"
 
 
-def _round_to_float32(value: float) -> float:
-    """``value`` rounded to float32 (inf beyond its range), without a tensor."""
-    try:
-        return struct.unpack("f", struct.pack("f", value))[0]
-    except OverflowError:
-        return math.copysign(math.inf, value)
+def _round_to(value: float, dtype: torch.dtype) -> float:
+    """``value`` rounded to ``dtype`` (inf beyond its range); float32 without making a tensor."""
+    if dtype == torch.float64:
+        return value
+    if dtype == torch.float32:
+        try:
+            return struct.unpack("f", struct.pack("f", value))[0]
+        except OverflowError:
+            return math.copysign(math.inf, value)
+    return torch.tensor(value, dtype=torch.float64).to(dtype).item()
 
 
 @dataclass(frozen=True)
@@ -94,26 +98,36 @@ class Hyper:
     high: float = math.inf
     low_inclusive: bool = True
     high_inclusive: bool = False
+    # A slot's initial value: TF fills the slot in the variable's dtype, not through float32.
+    in_param_dtype: bool = False
 
-    def check(self, value: Any) -> None:
-        """Check ``value``'s type and range, as given and as the update math sees it (float32).
+    def check(self, value: Any, dtypes: Iterable[torch.dtype] = ()) -> None:
+        """Check ``value``'s type and range, as given and as the update sees it.
 
         Every hyperparameter reaches the update as a float32 scalar (TF's
         conversion, see ``HyperScalars``), whatever the parameter dtype: a value
         in range as a Python float can leave it there (``1e39`` becomes inf,
-        ``1 - 1e-10`` becomes 1.0), so the rounded value is checked too.
+        ``1 - 1e-10`` becomes 1.0), so the rounded value is checked too. A
+        slot's initial value is checked in ``dtypes``, those of the parameters
+        whose slots it fills.
         """
         if callable(value) and not isinstance(value, Tensor):
             return
         number = _to_float(self.arg, value)
         bounds = (self.low, self.high, self.low_inclusive, self.high_inclusive)
         check_range(self.arg, number, *bounds[:2], low_inclusive=bounds[2], high_inclusive=bounds[3])
-        rounded = _round_to_float32(number)
-        if not _in_range(rounded, *bounds):
-            raise ValueError(
-                f"Invalid {self.arg} value: {value!r}; expected a value in {_interval(*bounds)} "
-                f"once rounded to float32, the precision the update uses (it rounds to {rounded!r})"
-            )
+        for dtype in set(dtypes) if self.in_param_dtype else (torch.float32,):
+            rounded = _round_to(number, dtype)
+            if not _in_range(rounded, *bounds):
+                where = (
+                    "the parameter's dtype, where the slot lives"
+                    if self.in_param_dtype
+                    else "the precision the update uses"
+                )
+                raise ValueError(
+                    f"Invalid {self.arg} value: {value!r}; expected a value in {_interval(*bounds)} "
+                    f"once rounded to {str(dtype).removeprefix('torch.')}, {where} (it rounds to {rounded!r})"
+                )
 
 
 @dataclass(frozen=True)
@@ -123,7 +137,7 @@ class Flag:
     key: str
     arg: str
 
-    def check(self, value: Any) -> None:
+    def check(self, value: Any, dtypes: Iterable[torch.dtype] = ()) -> None:
         if not isinstance(value, bool):
             raise TypeError(f"{self.arg} must be a bool, got {type(value).__name__}: {value!r}")
 
@@ -247,8 +261,9 @@ class Optimizer(torch.optim.Optimizer):
         params = [params] if isinstance(params, Tensor) else list(params)
         for name, default in self.defaults.items():
             group.setdefault(name, default)
+        dtypes = {p.dtype for p in params if isinstance(p, Tensor) and p.dtype in _VALID_DTYPES}
         for spec in self._hypers:
-            spec.check(group[spec.key])
+            spec.check(group[spec.key], dtypes)
         if group["foreach"] is not None and not isinstance(group["foreach"], bool):
             raise TypeError(f"foreach must be None or a bool, got {group['foreach']!r}")
         name = type(self).__name__
@@ -482,7 +497,7 @@ class Optimizer(torch.optim.Optimizer):
                     "of optimizer's group"
                 )
             merged = {**group, **{k: v for k, v in saved.items() if k != "params"}}
-            _check_group_values(merged, self._hypers)
+            _check_group_values(merged, self._hypers, {p.dtype for p in group["params"]})
             for pid, p in zip(saved["params"], group["params"], strict=True):
                 id_to_param[pid] = (p, merged)
         for pid, slots in state_dict["state"].items():
@@ -756,21 +771,26 @@ def _evaluate(group: dict[str, Any], hypers: tuple[Hyper | Flag, ...]) -> dict[s
     device.
     """
     values: dict[str, Any] = {}
+    dtypes: set[torch.dtype] | None = None
     for spec in hypers:
         value = group[spec.key]
         if isinstance(spec, Hyper) and callable(value) and not isinstance(value, Tensor):
             value = value()
         if not (isinstance(value, Tensor) and value.device.type not in ("cpu", "meta")):
-            spec.check(value)
+            if isinstance(spec, Hyper) and spec.in_param_dtype and dtypes is None:
+                dtypes = {p.dtype for p in group["params"]}
+            spec.check(value, dtypes or ())
         values[spec.key] = value
     return values
 
 
-def _check_group_values(group: dict[str, Any], hypers: tuple[Hyper | Flag, ...]) -> None:
+def _check_group_values(
+    group: dict[str, Any], hypers: tuple[Hyper | Flag, ...], dtypes: set[torch.dtype]
+) -> None:
     """Check a param group's hyperparameters as the constructor does (``load_state_dict``)."""
     for spec in hypers:
         if spec.key in group:
-            spec.check(group[spec.key])
+            spec.check(group[spec.key], dtypes)
     if group.get("foreach") is not None and not isinstance(group["foreach"], bool):
         raise TypeError(f"foreach must be None or a bool, got {group['foreach']!r}")
 

@@ -94,6 +94,7 @@ class AdagradDAOptimizer(Optimizer):
             "initial_gradient_squared_accumulator_value",
             0.0,
             low_inclusive=False,
+            in_param_dtype=True,
         ),
         Hyper("l1", "l1_regularization_strength", 0.0),
         Hyper("l2", "l2_regularization_strength", 0.0),
