@@ -83,3 +83,14 @@ def test_slot_initial_values_are_checked_in_the_slot_dtype(cls, arg):
     opt.add_param_group({"params": [torch.ones(2, requires_grad=True)], arg: 1.0})
     with pytest.raises(ValueError, match="rounded to float32"):
         opt.add_param_group({"params": [torch.ones(2, requires_grad=True)]})  # 1e39 reaches a float32 slot
+
+
+def test_compute_gradients_refuses_a_single_tensor_as_var_list():
+    # Iterating a tensor gives its rows: every gradient came back None, with no error.
+    p = torch.ones(4, 3, requires_grad=True)
+    opt = tgo.GradientDescentOptimizer([p], learning_rate=0.1)
+    with pytest.raises(
+        TypeError, match=r"var_list must be a list of tensors.*shape=\(4, 3\).*pass \[tensor\]"
+    ):
+        opt.compute_gradients((p**2).sum(), var_list=p)
+    assert opt.compute_gradients((p**2).sum(), var_list=[p])[0][0] is not None

@@ -729,6 +729,11 @@ def compute_gradients(
             f"Optimizer.GATE_GRAPH. Not {gate_gradients!r}"
         )
     check_aggregation_method(aggregation_method)
+    if isinstance(var_list, Tensor):
+        # Iterating a tensor yields its rows, which are not leaves of the loss's graph.
+        raise TypeError(
+            f"var_list must be a list of tensors, got a single tensor {_describe(var_list)}; pass [tensor]"
+        )
     if callable(loss) and not isinstance(loss, Tensor):
         with torch.enable_grad():
             loss = loss()
