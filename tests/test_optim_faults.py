@@ -94,3 +94,15 @@ def test_compute_gradients_refuses_a_single_tensor_as_var_list():
     ):
         opt.compute_gradients((p**2).sum(), var_list=p)
     assert opt.compute_gradients((p**2).sum(), var_list=[p])[0][0] is not None
+
+
+def test_a_scheduler_over_a_callable_learning_rate_gets_a_named_error_at_the_first_step():
+    p = torch.ones(3, requires_grad=True)
+    opt = tgo.GradientDescentOptimizer([p], learning_rate=lambda: 0.1)
+    torch.optim.lr_scheduler.StepLR(opt, step_size=1)  # would fail later: "unsupported operand ... function"
+    p.grad = torch.ones(3)
+    with pytest.raises(
+        RuntimeError, match="learning_rate is a callable.*lr_scheduler.*a number or a 0-d tensor"
+    ):
+        opt.step()
+    assert torch.equal(p.detach(), torch.ones(3))

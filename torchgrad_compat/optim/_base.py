@@ -780,6 +780,14 @@ def _evaluate(group: dict[str, Any], hypers: tuple[Hyper | Flag, ...]) -> dict[s
     for spec in hypers:
         value = group[spec.key]
         if isinstance(spec, Hyper) and callable(value) and not isinstance(value, Tensor):
+            if spec.key == "lr" and "initial_lr" in group:
+                # torch's schedulers set initial_lr and then multiply group["lr"]; they would fail
+                # on the callable later, in their own code, with an operand error.
+                raise RuntimeError(
+                    f"learning_rate is a callable ({value!r}) and a torch.optim.lr_scheduler drives this "
+                    "group (it set 'initial_lr'); pass a number or a 0-d tensor to use a scheduler, "
+                    "or put the schedule inside the callable"
+                )
             value = value()
         if not (isinstance(value, Tensor) and value.device.type not in ("cpu", "meta")):
             if isinstance(spec, Hyper) and spec.in_param_dtype and dtypes is None:
