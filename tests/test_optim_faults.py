@@ -83,6 +83,15 @@ def test_slot_initial_values_are_checked_in_the_slot_dtype(cls, arg):
     opt.add_param_group({"params": [torch.ones(2, requires_grad=True)], arg: 1.0})
     with pytest.raises(ValueError, match="rounded to float32"):
         opt.add_param_group({"params": [torch.ones(2, requires_grad=True)]})  # 1e39 reaches a float32 slot
+    # Written after construction: checked when it is about to fill a new slot, before any update.
+    other = torch.ones(3, dtype=torch.float16, requires_grad=True)
+    opt = cls([half, other], learning_rate=0.1)
+    opt.apply_gradients([(torch.ones(3, dtype=torch.float16), half)])
+    opt.param_groups[0][next(h.key for h in opt._hypers if h.arg == arg)] = 1e5
+    before = half.detach().clone()
+    with pytest.raises(ValueError, match=rf"Invalid {arg} value: 100000\.0.*rounded to float16"):
+        opt.apply_gradients([(torch.ones(3, dtype=torch.float16), p) for p in (half, other)])
+    assert torch.equal(half.detach(), before) and not opt.state.get(other)
 
 
 def test_compute_gradients_refuses_a_single_tensor_as_var_list():

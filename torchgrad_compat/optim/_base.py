@@ -40,6 +40,8 @@ _VALID_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 _HALF_DTYPES = (torch.float16, torch.bfloat16)
 # CPU foreach updates run over chunks of at most this many parameter bytes (see _chunks).
 _CPU_CHUNK_BYTES = 512 * 1024
+# Accepted numbers each Hyper remembers (a scheduler may produce a new lr at every step).
+_ACCEPTED_PER_HYPER = 1024
 # Chunk layouts whose scratch views an optimizer keeps (see Optimizer._scratch).
 _SCRATCH_SETS = 256
 
@@ -101,6 +103,10 @@ class Hyper:
     # A slot's initial value: TF fills the slot in the variable's dtype, not through float32.
     in_param_dtype: bool = False
 
+    def __post_init__(self) -> None:
+        # Numbers (with dtypes) that passed the check; not a field, so not part of eq or hash.
+        object.__setattr__(self, "_accepted", set())
+
     def check(self, value: Any, dtypes: Iterable[torch.dtype] = ()) -> None:
         """Check ``value``'s type and range, as given and as the update sees it.
 
@@ -113,9 +119,21 @@ class Hyper:
         """
         if callable(value) and not isinstance(value, Tensor):
             return
+        if type(value) not in (float, int):
+            self._check_number(value, dtypes)
+            return
+        # The common case, checked before every step: a number once accepted is not checked again.
+        key = (value, frozenset(dtypes)) if self.in_param_dtype and dtypes else value
+        if key not in self._accepted:
+            self._check_number(value, dtypes)
+            if len(self._accepted) < _ACCEPTED_PER_HYPER:
+                self._accepted.add(key)
+
+    def _check_number(self, value: Any, dtypes: Iterable[torch.dtype]) -> None:
         number = _to_float(self.arg, value)
         bounds = (self.low, self.high, self.low_inclusive, self.high_inclusive)
-        check_range(self.arg, number, *bounds[:2], low_inclusive=bounds[2], high_inclusive=bounds[3])
+        if not _in_range(number, *bounds):
+            raise ValueError(f"Invalid {self.arg} value: {value!r}; expected a value in {_interval(*bounds)}")
         for dtype in set(dtypes) if self.in_param_dtype else (torch.float32,):
             rounded = _round_to(number, dtype)
             if not _in_range(rounded, *bounds):
@@ -599,6 +617,10 @@ class Optimizer(torch.optim.Optimizer):
                 (sparse if g.is_sparse else dense).setdefault(gi, []).append((g, p))
         # Every group's values are checked before any group is updated: a step is all or nothing.
         evaluated = [_evaluate(group, self._hypers) for group in self.param_groups]
+        for gi, pairs in grouped.items():
+            fresh = {p.dtype for _, p in pairs if not self.state.get(p)}
+            if fresh:
+                _check_slot_values(evaluated[gi], self._hypers, fresh)
         for gi, (group, values) in enumerate(zip(self.param_groups, evaluated, strict=True)):
             non_slot = self._non_slot[gi]
             for _, p in dense.get(gi, []) + sparse.get(gi, []):
@@ -769,14 +791,15 @@ def _evaluate(group: dict[str, Any], hypers: tuple[Hyper | Flag, ...]) -> dict[s
 
     A value may have changed since the constructor checked it (an LR scheduler,
     ``group["lr"] = ...``, a callable), so each is checked again before it is
-    used, with the constructor's ranges. Numbers and CPU tensors are read on
+    used, with the constructor's ranges (a number already accepted costs a
+    cache lookup). Slot initial values are checked in the parameter dtype by
+    ``_apply``, when they fill new slots. Numbers and CPU tensors are read on
     the host, which costs no device synchronisation; a tensor on an
     accelerator is checked when set (constructor, ``add_param_group``,
     ``load_state_dict``) but not at every step, as reading it would stall the
     device.
     """
     values: dict[str, Any] = {}
-    dtypes: set[torch.dtype] | None = None
     for spec in hypers:
         value = group[spec.key]
         if isinstance(spec, Hyper) and callable(value) and not isinstance(value, Tensor):
@@ -790,11 +813,20 @@ def _evaluate(group: dict[str, Any], hypers: tuple[Hyper | Flag, ...]) -> dict[s
                 )
             value = value()
         if not (isinstance(value, Tensor) and value.device.type not in ("cpu", "meta")):
-            if isinstance(spec, Hyper) and spec.in_param_dtype and dtypes is None:
-                dtypes = {p.dtype for p in group["params"]}
-            spec.check(value, dtypes or ())
+            spec.check(value)
         values[spec.key] = value
     return values
+
+
+def _check_slot_values(
+    values: dict[str, Any], hypers: tuple[Hyper | Flag, ...], dtypes: set[torch.dtype]
+) -> None:
+    """Check the slot initial values about to fill new slots of ``dtypes`` (see ``Hyper.in_param_dtype``)."""
+    for spec in hypers:
+        if isinstance(spec, Hyper) and spec.in_param_dtype:
+            value = values[spec.key]
+            if not (isinstance(value, Tensor) and value.device.type != "cpu"):
+                spec.check(value, dtypes)
 
 
 def _check_group_values(
