@@ -115,3 +115,24 @@ def test_a_scheduler_over_a_callable_learning_rate_gets_a_named_error_at_the_fir
     ):
         opt.step()
     assert torch.equal(p.detach(), torch.ones(3))
+
+
+@pytest.mark.parametrize(
+    ("cls", "key", "bad"),
+    [
+        (tgo.AdamOptimizer, "beta1_power", torch.tensor(1.0)),  # 1 - beta1_power = 0: a division by zero
+        (tgo.AdamOptimizer, "beta2_power", torch.tensor(-0.5)),
+        (tgo.AdagradDAOptimizer, "global_step", torch.tensor(-5)),
+    ],
+    ids=["adam-beta1_power=1", "adam-beta2_power<0", "adagradda-global_step<0"],
+)
+def test_loaded_non_slot_state_is_range_checked(cls, key, bad):
+    p, g = _pair()
+    opt = cls([p], learning_rate=0.1)
+    opt.apply_gradients([(g, p)])
+    sd = opt.state_dict()
+    sd["non_slot_state"][0][key] = bad
+    fresh = cls([torch.ones(3, requires_grad=True)], learning_rate=0.5)
+    with pytest.raises(ValueError, match=f"Invalid {key} value"):
+        fresh.load_state_dict(sd)
+    assert not fresh.state and fresh.param_groups[0]["lr"] == 0.5

@@ -251,6 +251,8 @@ class Optimizer(torch.optim.Optimizer):
     _slots: ClassVar[tuple[str, ...]] = ()
     # TF sums duplicate sparse indices before the update; GradientDescent does not.
     _coalesce_sparse: ClassVar[bool] = True
+    # Ranges of loaded non-slot state, by key (Adam's beta powers lie in [0, 1)).
+    _non_slot_ranges: ClassVar[tuple[Hyper, ...]] = ()
     # Instance attributes kept by pickling and deepcopy, beyond torch's three.
     _pickled_attributes: ClassVar[tuple[str, ...]] = ("_non_slot",)
 
@@ -552,6 +554,9 @@ class Optimizer(torch.optim.Optimizer):
                 )
             for key, value in saved_ns.items():
                 _check_non_slot(cls, f"{key} (group {i})", value, ns[key])
+            for spec in self._non_slot_ranges:
+                if spec.key in saved_ns:
+                    spec.check(float(saved_ns[spec.key]))
         return non_slot
 
     # ------------------------------------------------------------------ the update path

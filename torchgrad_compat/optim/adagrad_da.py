@@ -87,6 +87,7 @@ class AdagradDAOptimizer(Optimizer):
         tensor([-0.2500,  0.2500], dtype=torch.float64)
     """
 
+    _non_slot_ranges = (Hyper("global_step", "global_step", 0.0),)
     _hypers = (
         Hyper("lr", "learning_rate", 0.0),
         Hyper(
