@@ -58,11 +58,22 @@ def _lr_cases() -> tuple[tuple[str, Any, type[Exception]], ...]:
         ("learning_rate", torch.tensor([0.1, 0.2]), ValueError),
         ("learning_rate", "0.1", TypeError),
         ("learning_rate", True, TypeError),
+        # Finite as a Python float, inf once rounded to float32, the precision of the update.
+        ("learning_rate", 1e39, ValueError),
+        ("learning_rate", 1e300, ValueError),
+        ("learning_rate", torch.tensor(1e39, dtype=torch.float64), ValueError),
+        ("learning_rate", torch.tensor(0.1, device="meta"), ValueError),
     )
 
 
 def _nonneg(arg: str) -> tuple[tuple[str, Any, type[Exception]], ...]:
-    return ((arg, -0.5, ValueError), (arg, NAN, ValueError), (arg, INF, ValueError), (arg, "1", TypeError))
+    return (
+        (arg, -0.5, ValueError),
+        (arg, NAN, ValueError),
+        (arg, INF, ValueError),
+        (arg, 1e39, ValueError),
+        (arg, "1", TypeError),
+    )
 
 
 def _positive(arg: str) -> tuple[tuple[str, Any, type[Exception]], ...]:
@@ -72,7 +83,8 @@ def _positive(arg: str) -> tuple[tuple[str, Any, type[Exception]], ...]:
 def _unit(arg: str, *, include_one: bool) -> tuple[tuple[str, Any, type[Exception]], ...]:
     cases = [(arg, -0.1, ValueError), (arg, 1.5, ValueError), (arg, NAN, ValueError), (arg, None, TypeError)]
     if not include_one:
-        cases.append((arg, 1.0, ValueError))
+        # Below 1 as a Python float, exactly 1 in float32: Adam's bias correction divides by zero.
+        cases += [(arg, 1.0, ValueError), (arg, 1 - 1e-10, ValueError)]
     return tuple(cases)
 
 
@@ -127,6 +139,7 @@ SPECS: tuple[OptimSpec, ...] = (
             *_nonneg("l2_regularization_strength"),
             ("global_step", torch.tensor(1.0), TypeError),
             ("global_step", 3, TypeError),
+            ("global_step", torch.tensor(0, dtype=torch.uint8), TypeError),
         ),
     ),
     OptimSpec(

@@ -986,3 +986,31 @@ def test_a_restarted_worker_takes_its_name_back_once_the_server_finds_the_old_pr
     assert 0.4 < time.monotonic() - start < 5 and restarted.global_step == 1
     with pytest.raises(AGNError, match="incarnation 1 was replaced by 2"):
         old.apply_gradients([(torch.ones(1), p)])
+
+
+@pytest.mark.parametrize(
+    ("change", "match"),
+    [
+        ({"accumulators": [torch.ones(3)]}, r"accumulator 0 must be a floating tensor of shape \(2,\)"),
+        ({"accumulators": []}, "list of 1 tensors"),
+        ({"accumulators": [torch.tensor([1.0, math.nan])]}, "Invalid accumulator 0 value"),
+        ({"local_step": -1}, "Invalid local_step value: -1"),
+        ({"pending": [5]}, r"Invalid pending value: \[5\]"),
+    ],
+    ids=["shape", "count", "nan", "local_step", "pending"],
+)
+def test_load_state_dict_checks_the_worker_state_before_loading_anything(change, match):
+    _, host = _local([torch.zeros(2)], _gd, 1)
+    p = torch.zeros(2)
+    opt = AGNOptimizer(tgo.AdamOptimizer([p], 0.1), 1, 4, server=host.endpoint("w"))
+    opt.apply_gradients([(torch.ones(2), p)])
+    state = opt.state_dict()
+    q = torch.zeros(2)
+    other = AGNOptimizer(tgo.AdamOptimizer([q], 0.5), 1, 4, server=host.endpoint("w2"))
+    with pytest.raises(ValueError, match=match):
+        other.load_state_dict({**state, "agn": {**state["agn"], **change}})
+    # Neither the wrapped optimizer nor the worker state was loaded half-way.
+    assert not other.inner_optimizer.state and other.param_groups[0]["lr"] == 0.5
+    assert (
+        other.local_step == 0 and not other._pending and torch.equal(other._accumulators[0], torch.zeros(2))
+    )

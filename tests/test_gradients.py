@@ -8,6 +8,9 @@ there has a PyTorch twin here under the same case name.
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -275,6 +278,49 @@ def test_hessians_equal_functional_hessian(name: str, chunk_size: int | None) ->
     expected = torch.autograd.functional.hessian(lambda t: f(t).sum(), x)
     assert h.shape == x.shape + x.shape
     torch.testing.assert_close(h, expected, rtol=1e-12, atol=1e-13)
+
+
+@pytest.mark.parametrize("chunk_size", [None, 1, 3, 4, 100])
+def test_hessians_without_a_graph_match_in_chunks(chunk_size: int | None) -> None:
+    f, shape = FUNCTIONS[sorted(FUNCTIONS)[0]]
+    x = _leaf(shape, 2)
+    (h,) = hessians(f(x), x, chunk_size=chunk_size, create_graph=False)
+    expected = torch.autograd.functional.hessian(lambda t: f(t).sum(), x)
+    assert not h.requires_grad
+    torch.testing.assert_close(h, expected, rtol=1e-12, atol=1e-13)
+
+
+_PEAK_RSS = """
+import resource, sys, torch
+from torchgrad_compat import hessians
+n, chunk = int(sys.argv[1]), int(sys.argv[2])
+x = torch.randn(n, requires_grad=True)
+y = torch.tanh(torch.randn(16, n) @ x).sum() + (x**3).sum()
+before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+hessians(y, x, chunk_size=chunk, create_graph=False)
+print((resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before) * 1024)
+"""
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="ru_maxrss is in KiB on Linux")
+@pytest.mark.parametrize("chunk_size", [1, 64])
+def test_hessians_chunk_size_bounds_memory_beyond_the_result(chunk_size: int) -> None:
+    # A fresh process, so the peak RSS belongs to this call. The n x n identity and the stacked
+    # rows each cost another n x n buffer; without them the growth is the result plus the chunks.
+    n = 3000
+    out = subprocess.run(
+        [sys.executable, "-c", _PEAK_RSS, str(n), str(chunk_size)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=True,
+        env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])},
+    )
+    result_bytes = n * n * 4
+    growth = int(out.stdout.split()[-1])
+    assert growth < 1.5 * result_bytes, (
+        f"peak RSS grew {growth / 2**20:.0f} MiB for a {result_bytes / 2**20:.0f} MiB Hessian"
+    )
 
 
 def test_hessians_run_one_vectorized_backward_pass_per_x(monkeypatch: pytest.MonkeyPatch) -> None:

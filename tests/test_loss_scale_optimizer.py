@@ -736,3 +736,18 @@ def test_host_syncs_per_step_on_cuda(fused: bool, syncs: int) -> None:
         finally:
             torch.cuda.set_sync_debug_mode(0)
     assert len([w for w in caught if "synchroniz" in str(w.message)]) == syncs
+
+
+def test_expanded_gradient_gets_a_named_error_before_anything_changes():
+    p, q = torch.zeros(4, 3, requires_grad=True), torch.zeros(2, requires_grad=True)
+    opt = LossScaleOptimizer(tgo.GradientDescentOptimizer([q, p], 0.1), loss_scale=4.0)
+    q.grad = torch.full((2,), 4.0)
+    p.grad = torch.ones(3).expand(4, 3)  # stride 0: one element stands for four
+    with pytest.raises(RuntimeError, match=r"parameter 1 .*expanded view.*p.grad = p.grad.contiguous\(\)"):
+        opt.step()
+    assert torch.equal(q.grad, torch.full((2,), 4.0))  # nothing was unscaled
+    p.grad = p.grad.contiguous()
+    opt.step()
+    assert torch.equal(p.detach(), torch.full((4, 3), -0.025)) and torch.equal(
+        q.detach(), torch.full((2,), -0.1)
+    )

@@ -10,13 +10,14 @@ from __future__ import annotations
 import copy
 import io
 import math
+import re
 
 import pytest
 import torch
 from optim_specs import SPECS, OptimSpec, spec_configs
 
 import torchgrad_compat.optim as tgo
-from torchgrad_compat.optim._base import _CPU_CHUNK_BYTES
+from torchgrad_compat.optim._base import _CPU_CHUNK_BYTES, Hyper
 
 DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16)
 
@@ -226,6 +227,68 @@ def test_load_state_dict_rejects_what_does_not_fit(spec: OptimSpec, cid: str):
     assert fresh.state_dict()["state"] == before["state"]  # nothing was loaded half-way
 
 
+def _hyper_keys(spec: OptimSpec) -> dict[str, str]:
+    """TF argument name -> param-group key, for the numeric hyperparameters."""
+    return {h.arg: h.key for h in spec.cls._hypers if isinstance(h, Hyper)}
+
+
+def _loaded_cases():
+    cases = []
+    for spec in SPECS:
+        keys = _hyper_keys(spec)
+        for arg, value, exc in spec.bad_args:
+            if arg in keys and isinstance(value, float):
+                cases.append(
+                    pytest.param(
+                        spec, arg, value, exc, id=f"{spec.name.removesuffix('Optimizer')}-{arg}={value!r}"
+                    )
+                )
+    return cases
+
+
+@pytest.mark.parametrize(("spec", "arg", "value", "exc"), _loaded_cases())
+def test_load_state_dict_checks_hyperparameters_as_the_constructor(spec: OptimSpec, arg, value, exc):
+    params = _params()
+    opt = spec.make(params)
+    opt.apply_gradients(zip(_grads(params, 0), params))
+    good = opt.state_dict()
+    fresh = spec.make(_params())
+    before = copy.deepcopy(fresh.state_dict())
+    groups = [{**good["param_groups"][0], _hyper_keys(spec)[arg]: value}]
+    with pytest.raises(exc, match=arg):
+        fresh.load_state_dict({**good, "param_groups": groups})
+    assert not fresh.state  # neither slots nor hyperparameters were loaded half-way
+    assert fresh.state_dict()["param_groups"] == before["param_groups"]
+
+
+@pytest.mark.parametrize(
+    ("spec", "cid"), [c for c in DEFAULT_CONFIGS if c[0].non_slot], ids=lambda x: getattr(x, "name", x)
+)
+def test_load_state_dict_checks_non_slot_state_first(spec: OptimSpec, cid: str):
+    params = _params()
+    opt = spec.make(params, cid)
+    opt.apply_gradients(zip(_grads(params, 0), params))
+    good = opt.state_dict()
+    key = spec.non_slot[0]
+    current = good["non_slot_state"][0][key]
+    bad_values = [
+        ([0.5], TypeError, "must be a"),
+        (current.reshape(1), TypeError, r"shape \(\)"),
+        (torch.full_like(current, math.nan) if current.is_floating_point() else current.double(), None, None),
+    ]
+    for bad, exc, match in bad_values:
+        exc = exc or (ValueError if current.is_floating_point() else TypeError)
+        fresh = spec.make(_params(), cid, learning_rate=0.5)
+        sd = {**good, "non_slot_state": [{**good["non_slot_state"][0], key: bad}]}
+        with pytest.raises(exc, match=match or key):
+            fresh.load_state_dict(sd)
+        assert not fresh.state and fresh.param_groups[0]["lr"] == 0.5
+        _assert_bitwise(
+            sorted(fresh.state_dict()["non_slot_state"][0].items()),
+            sorted(spec.make(_params(), cid).state_dict()["non_slot_state"][0].items()),
+        )
+
+
 def test_load_state_dict_does_not_mutate_its_argument():
     params = _params()
     opt = tgo.AdamOptimizer(params, learning_rate=0.1)
@@ -288,6 +351,9 @@ def test_bad_inputs_get_clear_errors(spec: OptimSpec, cid: str):
         opt.apply_gradients([(None, params[0]), (None, params[1])])
     with pytest.raises(TypeError, match="global_step must be a 0-d integer tensor"):
         opt.apply_gradients([(torch.zeros(4, 3), params[0])], global_step=torch.tensor(0.0))
+    for narrow in (torch.uint8, torch.int8, torch.int16):  # these wrap within a run (uint8 at 256 steps)
+        with pytest.raises(TypeError, match=rf"global_step must be a 0-d int32 or int64 tensor.*{narrow}"):
+            opt.apply_gradients([(torch.zeros(4, 3), params[0])], global_step=torch.tensor(0, dtype=narrow))
     with pytest.raises(ValueError, match="gate_gradients"):
         opt.compute_gradients(_quadratic(params), gate_gradients=5)
     with pytest.raises(ValueError, match="aggregation_method"):
@@ -301,6 +367,57 @@ def test_bad_inputs_get_clear_errors(spec: OptimSpec, cid: str):
     with pytest.raises(ValueError, match="gradient shape"):
         opt.apply_gradients([(wrong_rows, params[0])])
     assert not opt.state  # none of the rejected calls created state
+
+
+# ---------------------------------------------------------------- a step is all or nothing
+def _snapshot(opt, params):
+    return [p.detach().clone() for p in params] + [v.clone() for _, v in _state_tensors(opt)]
+
+
+@pytest.mark.parametrize("mode", ["apply_gradients", "step"])
+@pytest.mark.parametrize(("spec", "cid"), DEFAULT_CONFIGS, ids=DEFAULT_IDS)
+def test_sparse_row_out_of_range_changes_nothing(spec: OptimSpec, cid: str, mode: str):
+    params, twin = _params(), _params()
+    opt, ref = spec.make(params, cid), spec.make(twin, cid)
+    for o, ps in ((opt, params), (ref, twin)):
+        o.apply_gradients(zip(_grads(ps, 0), ps))  # slots and non-slot state exist and have moved
+    gs = torch.tensor(3, dtype=torch.int64)
+    dense = _grads(params, 1)[1]
+    # Built without checking invariants, as torch builds them by default: row 9 of a 4-row variable.
+    bad = torch.sparse_coo_tensor(torch.tensor([[1, 9]]), torch.ones(2, 3), (4, 3), check_invariants=False)
+    before = _snapshot(opt, params)
+    with pytest.raises(ValueError, match=r"row index 9 is out of range.*\(4, 3\).*0 to 3"):
+        if mode == "step":
+            params[1].grad, params[0].grad = dense, bad
+            opt.step()
+        else:
+            opt.apply_gradients([(dense, params[1]), (bad, params[0])], global_step=gs)
+    _assert_bitwise(_snapshot(opt, params), before)
+    assert gs.item() == 3
+    good = _sparse([1], torch.ones(1, 3), (4, 3))
+    opt.apply_gradients([(dense, params[1]), (good, params[0])])  # the retry applies once
+    ref.apply_gradients([(dense.clone(), twin[1]), (good, twin[0])])
+    _assert_bitwise(_snapshot(opt, params), _snapshot(ref, twin))
+
+
+@pytest.mark.parametrize("bad", [math.nan, 1e39, -1.0], ids=repr)
+@pytest.mark.parametrize(("spec", "cid"), DEFAULT_CONFIGS, ids=DEFAULT_IDS)
+def test_learning_rate_changed_after_construction_is_checked_before_use(spec: OptimSpec, cid: str, bad):
+    params = _params()
+    opt = spec.make([{"params": params[:1]}, {"params": params[1:]}], cid)
+    opt.apply_gradients(zip(_grads(params, 0), params))
+    before = _snapshot(opt, params)
+    good = opt.param_groups[1]["lr"]
+    opt.param_groups[1]["lr"] = bad  # as a user or a scheduler may write it
+    with pytest.raises(ValueError, match=re.escape(f"learning_rate value: {bad!r}")):
+        opt.apply_gradients(zip(_grads(params, 1), params))
+    _assert_bitwise(_snapshot(opt, params), before)  # the first group was not updated either
+    opt.param_groups[1]["lr"] = torch.tensor(bad)
+    with pytest.raises(ValueError, match="learning_rate value"):
+        opt.apply_gradients(zip(_grads(params, 1), params))
+    _assert_bitwise(_snapshot(opt, params), before)
+    opt.param_groups[1]["lr"] = good
+    opt.apply_gradients(zip(_grads(params, 1), params))
 
 
 # ---------------------------------------------------------------- sparse rules

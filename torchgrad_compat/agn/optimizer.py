@@ -285,10 +285,12 @@ class AGNOptimizer(OptimizerWrapper):
         return state
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        super().load_state_dict(state_dict)
+        """Load the wrapped optimizer's state and the worker's; everything is checked first."""
         agn = state_dict.get("agn")
         if agn is None:
             raise ValueError(f"AGNOptimizer.load_state_dict expects key 'agn', got keys {sorted(state_dict)}")
+        self._check_agn_state(agn)
+        super().load_state_dict(state_dict)
         with torch.no_grad():
             for a, saved in zip(self._accumulators, agn["accumulators"], strict=True):
                 a.copy_(saved)
@@ -300,3 +302,48 @@ class AGNOptimizer(OptimizerWrapper):
                 self._applied.copy_(agn["applied"])
                 for s, saved in zip(self._seen, agn["seen"], strict=True):
                     s.copy_(saved)
+
+    def _check_agn_state(self, agn: Any) -> None:
+        """Raise, naming the entry, unless ``agn`` is a worker state this optimizer can load."""
+        keys = {"local_step", "global_step", "accumulators", "pending"}
+        if not isinstance(agn, dict) or not keys <= set(agn):
+            held = sorted(agn) if isinstance(agn, dict) else _describe(agn)
+            raise ValueError(f"AGNOptimizer: loaded 'agn' state must hold {sorted(keys)}, got {held}")
+        for key in ("local_step", "global_step"):
+            value = agn[key]
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise ValueError(f"Invalid {key} value: {value!r}; expected an int >= 0")
+        saved = agn["accumulators"]
+        if not isinstance(saved, (list, tuple)) or len(saved) != len(self._accumulators):
+            raise ValueError(
+                f"AGNOptimizer: loaded accumulators must be a list of {len(self._accumulators)} tensors "
+                f"(one per parameter), got {_describe(saved)}"
+            )
+        for i, (a, s) in enumerate(zip(self._accumulators, saved, strict=True)):
+            if not isinstance(s, Tensor) or s.shape != a.shape or not s.is_floating_point():
+                raise ValueError(
+                    f"AGNOptimizer: loaded accumulator {i} must be a floating tensor of shape "
+                    f"{tuple(a.shape)}, got {_describe(s)}"
+                )
+            if not bool(torch.isfinite(s).all()):  # read once, at load: it would be pushed to the server
+                raise ValueError(f"Invalid accumulator {i} value: {s!r}; expected finite numbers")
+        pending = agn["pending"]
+        if not isinstance(pending, (list, tuple, set)) or not all(
+            isinstance(i, int) and 0 <= i < len(self._accumulators) for i in pending
+        ):
+            raise ValueError(
+                f"Invalid pending value: {pending!r}; expected parameter indices in "
+                f"[0, {len(self._accumulators)})"
+            )
+        if self._applied is not None:
+            applied, seen = agn.get("applied"), agn.get("seen")
+            if not isinstance(applied, Tensor) or applied.numel() != 1:
+                raise ValueError(
+                    "AGNOptimizer around a loss-scaling optimizer: loaded 'agn' state must hold 'applied', "
+                    f"a one-element tensor, got {_describe(applied)}"
+                )
+            if not isinstance(seen, (list, tuple)) or len(seen) != len(self._seen):
+                raise ValueError(
+                    f"AGNOptimizer: loaded 'seen' must be a list of {len(self._seen)} one-element tensors, "
+                    f"got {_describe(seen)}"
+                )

@@ -236,6 +236,19 @@ class LossScaleOptimizer(OptimizerWrapper):
                 "LossScaleOptimizer: no parameter has a gradient; call "
                 "opt.get_scaled_loss(loss).backward() before step() or unscale_()"
             )
+        for i, p in enumerate(self._all_params()):
+            g = p.grad
+            # An expanded view (stride 0) shares one element between many: it cannot be unscaled in place.
+            if (
+                g is not None
+                and not g.is_sparse
+                and any(st == 0 and n > 1 for st, n in zip(g.stride(), g.shape, strict=True))
+            ):
+                raise RuntimeError(
+                    f"LossScaleOptimizer: p.grad of parameter {i} {_describe(p)} is an expanded view "
+                    f"(strides {g.stride()}) and cannot be unscaled in place; assign "
+                    "p.grad = p.grad.contiguous() before step() or unscale_()"
+                )
         device = self._loss_scale.device
         inv_scale = torch.reciprocal(self._loss_scale())
         # The fused kernel needs its flag and inverse scale on the gradients' device.

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import functools
 import math
+import struct
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -49,6 +50,8 @@ _VALID_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 _HALF_DTYPES = (torch.float16, torch.bfloat16)
 # CPU foreach updates run over chunks of at most this many parameter bytes (see _chunks).
 _CPU_CHUNK_BYTES = 512 * 1024
+# Accepted numbers each Hyper remembers (a scheduler may produce a new lr at every step).
+_ACCEPTED_PER_HYPER = 1024
 # Chunk layouts whose scratch views an optimizer keeps (see Optimizer._scratch).
 _SCRATCH_SETS = 256
 
@@ -66,12 +69,31 @@ def check_range(
 
     Written as ``not (low <= value < high)`` so that NaN is rejected too.
     """
+    if not _in_range(value, low, high, low_inclusive, high_inclusive):
+        interval = _interval(low, high, low_inclusive, high_inclusive)
+        raise ValueError(f"Invalid {arg} value: {value!r}; expected a value in {interval}")
+
+
+def _in_range(value: float, low: float, high: float, low_inclusive: bool, high_inclusive: bool) -> bool:
     above = low <= value if low_inclusive else low < value
     below = value <= high if high_inclusive else value < high
-    if not (above and below):
-        left = "[" if low_inclusive else "("
-        right = "]" if high_inclusive else ")"
-        raise ValueError(f"Invalid {arg} value: {value!r}; expected a value in {left}{low}, {high}{right}")
+    return above and below
+
+
+def _interval(low: float, high: float, low_inclusive: bool, high_inclusive: bool) -> str:
+    return f"{'[' if low_inclusive else '('}{low}, {high}{']' if high_inclusive else ')'}"
+
+
+def _round_to(value: float, dtype: torch.dtype) -> float:
+    """``value`` rounded to ``dtype`` (inf beyond its range); float32 without making a tensor."""
+    if dtype == torch.float64:
+        return value
+    if dtype == torch.float32:
+        try:
+            return struct.unpack("f", struct.pack("f", value))[0]
+        except OverflowError:
+            return math.copysign(math.inf, value)
+    return torch.tensor(value, dtype=torch.float64).to(dtype).item()
 
 
 @dataclass(frozen=True)
@@ -88,18 +110,52 @@ class Hyper:
     high: float = math.inf
     low_inclusive: bool = True
     high_inclusive: bool = False
+    # A slot's initial value: TF fills the slot in the variable's dtype, not through float32.
+    in_param_dtype: bool = False
 
-    def check(self, value: Any) -> None:
+    def __post_init__(self) -> None:
+        # Numbers (with dtypes) that passed the check; not a field, so not part of eq or hash.
+        object.__setattr__(self, "_accepted", set())
+
+    def check(self, value: Any, dtypes: Iterable[torch.dtype] = ()) -> None:
+        """Check ``value``'s type and range, as given and as the update sees it.
+
+        Every hyperparameter reaches the update as a float32 scalar (TF's
+        conversion, see ``HyperScalars``), whatever the parameter dtype: a value
+        in range as a Python float can leave it there (``1e39`` becomes inf,
+        ``1 - 1e-10`` becomes 1.0), so the rounded value is checked too. A
+        slot's initial value is checked in ``dtypes``, those of the parameters
+        whose slots it fills.
+        """
         if callable(value) and not isinstance(value, Tensor):
             return
-        check_range(
-            self.arg,
-            _to_float(self.arg, value),
-            self.low,
-            self.high,
-            low_inclusive=self.low_inclusive,
-            high_inclusive=self.high_inclusive,
-        )
+        if type(value) not in (float, int):
+            self._check_number(value, dtypes)
+            return
+        # The common case, checked before every step: a number once accepted is not checked again.
+        key = (value, frozenset(dtypes)) if self.in_param_dtype and dtypes else value
+        if key not in self._accepted:
+            self._check_number(value, dtypes)
+            if len(self._accepted) < _ACCEPTED_PER_HYPER:
+                self._accepted.add(key)
+
+    def _check_number(self, value: Any, dtypes: Iterable[torch.dtype]) -> None:
+        number = _to_float(self.arg, value)
+        bounds = (self.low, self.high, self.low_inclusive, self.high_inclusive)
+        if not _in_range(number, *bounds):
+            raise ValueError(f"Invalid {self.arg} value: {value!r}; expected a value in {_interval(*bounds)}")
+        for dtype in set(dtypes) if self.in_param_dtype else (torch.float32,):
+            rounded = _round_to(number, dtype)
+            if not _in_range(rounded, *bounds):
+                where = (
+                    "the parameter's dtype, where the slot lives"
+                    if self.in_param_dtype
+                    else "the precision the update uses"
+                )
+                raise ValueError(
+                    f"Invalid {self.arg} value: {value!r}; expected a value in {_interval(*bounds)} "
+                    f"once rounded to {str(dtype).removeprefix('torch.')}, {where} (it rounds to {rounded!r})"
+                )
 
 
 @dataclass(frozen=True)
@@ -109,7 +165,7 @@ class Flag:
     key: str
     arg: str
 
-    def check(self, value: Any) -> None:
+    def check(self, value: Any, dtypes: Iterable[torch.dtype] = ()) -> None:
         if not isinstance(value, bool):
             raise TypeError(f"{self.arg} must be a bool, got {type(value).__name__}: {value!r}")
 
@@ -126,6 +182,8 @@ def _to_float(arg: str, value: Any) -> float:
         if value.dim() != 0:
             # torch.optim raises ValueError for a tensor lr that is not one element.
             raise ValueError(f"Invalid {arg} value: {value!r}; expected a 0-d tensor")
+        if value.is_meta:
+            raise ValueError(f"Invalid {arg} value: {value!r}; a meta tensor holds no number to train with")
         return float(value)
     return float(value)
 
@@ -239,6 +297,8 @@ class Optimizer(torch.optim.Optimizer):
     _slots: ClassVar[tuple[str, ...]] = ()
     # TF sums duplicate sparse indices before the update; GradientDescent does not.
     _coalesce_sparse: ClassVar[bool] = True
+    # Ranges of loaded non-slot state, by key (Adam's beta powers lie in [0, 1)).
+    _non_slot_ranges: ClassVar[tuple[Hyper, ...]] = ()
     # Instance attributes kept by pickling and deepcopy, beyond torch's three.
     _pickled_attributes: ClassVar[tuple[str, ...]] = ("_non_slot",)
 
@@ -267,8 +327,9 @@ class Optimizer(torch.optim.Optimizer):
         params = [params] if isinstance(params, Tensor) else list(params)
         for name, default in self.defaults.items():
             group.setdefault(name, default)
+        dtypes = {p.dtype for p in params if isinstance(p, Tensor) and p.dtype in _VALID_DTYPES}
         for spec in self._hypers:
-            spec.check(group[spec.key])
+            spec.check(group[spec.key], dtypes)
         if group["foreach"] is not None and not isinstance(group["foreach"], bool):
             raise TypeError(f"foreach must be None or a bool, got {group['foreach']!r}")
         name = type(self).__name__
@@ -499,32 +560,44 @@ class Optimizer(torch.optim.Optimizer):
         return sd
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Load a ``state_dict``, first checking that it fits this optimizer.
+        """Load a ``state_dict``, first checking all of it: a load is all or nothing.
 
-        Raises ``ValueError`` (and changes nothing) when the groups differ in
-        number or size, a saved slot is missing or has the wrong shape, or the
-        non-slot state is missing or incomplete.
+        Raises ``ValueError`` or ``TypeError`` (and changes nothing) when the
+        groups differ in number or size, a saved hyperparameter fails the
+        constructor's checks, a saved slot is missing or not a floating tensor
+        of the parameter's shape, or the non-slot state is missing, incomplete,
+        of the wrong shape or kind, or not finite.
         """
         state_dict = dict(state_dict)
-        non_slot = state_dict.pop("non_slot_state", None)
+        non_slot = self._validate_state_dict(state_dict)
+        state_dict.pop("non_slot_state", None)
+        super().load_state_dict(state_dict)
+        self._non_slot = [
+            {k: v.detach().to(device=ns[k].device, dtype=ns[k].dtype).clone() for k, v in saved_ns.items()}
+            for saved_ns, ns in zip(non_slot, self._non_slot, strict=True)
+        ]
+
+    def _validate_state_dict(self, state_dict: dict[str, Any]) -> list[dict[str, Tensor]]:
+        """Check everything ``load_state_dict`` will load; return the non-slot state to load."""
         saved_groups = state_dict.get("param_groups")
-        if not isinstance(saved_groups, list) or "state" not in state_dict:
+        if not isinstance(saved_groups, list) or not isinstance(state_dict.get("state"), dict):
             raise ValueError("state_dict must hold 'state' and 'param_groups' (from Optimizer.state_dict())")
         if len(saved_groups) != len(self.param_groups):
             raise ValueError("loaded state dict has a different number of parameter groups")
         cls = type(self).__name__
         id_to_param: dict[Any, tuple[Tensor, dict[str, Any]]] = {}
-        for saved, group in zip(saved_groups, self.param_groups, strict=True):
+        for i, (saved, group) in enumerate(zip(saved_groups, self.param_groups, strict=True)):
+            if not isinstance(saved, dict) or "params" not in saved:
+                raise ValueError(f"{cls}: loaded param group {i} must be a dict holding 'params'")
             if len(saved["params"]) != len(group["params"]):
                 raise ValueError(
                     "loaded state dict contains a parameter group that doesn't match the size "
                     "of optimizer's group"
                 )
+            merged = {**group, **{k: v for k, v in saved.items() if k != "params"}}
+            _check_group_values(merged, self._hypers, {p.dtype for p in group["params"]})
             for pid, p in zip(saved["params"], group["params"], strict=True):
-                id_to_param[pid] = (
-                    p,
-                    {**group, **{k: v for k, v in saved.items() if k != "params"}},
-                )
+                id_to_param[pid] = (p, merged)
         for pid, slots in state_dict["state"].items():
             if pid not in id_to_param:
                 raise ValueError(f"loaded state dict holds state for an unknown parameter id {pid!r}")
@@ -535,26 +608,34 @@ class Optimizer(torch.optim.Optimizer):
                         f"{cls}: loaded state of parameter {pid} lacks slot {slot!r} "
                         f"(it holds {sorted(slots)}); was it saved from another optimizer?"
                     )
-                if tuple(slots[slot].shape) != tuple(p.shape):
+                value = slots[slot]
+                if not isinstance(value, Tensor) or not value.is_floating_point():
+                    raise TypeError(
+                        f"{cls}: loaded slot {slot!r} of parameter {pid} must be a floating tensor, "
+                        f"got {_describe(value)}"
+                    )
+                if tuple(value.shape) != tuple(p.shape):
                     raise ValueError(
                         f"{cls}: loaded slot {slot!r} of parameter {pid} has shape "
-                        f"{tuple(slots[slot].shape)}, expected the parameter's shape {tuple(p.shape)}"
+                        f"{tuple(value.shape)}, expected the parameter's shape {tuple(p.shape)}"
                     )
+        non_slot = state_dict.get("non_slot_state")
         if non_slot is None:
             non_slot = [{} for _ in self.param_groups] if not any(self._non_slot) else None
-        if non_slot is None or len(non_slot) != len(self.param_groups):
+        if not isinstance(non_slot, list) or len(non_slot) != len(self.param_groups):
             raise ValueError(f"{cls}: loaded state dict lacks 'non_slot_state' for each parameter group")
         for i, (saved_ns, ns) in enumerate(zip(non_slot, self._non_slot, strict=True)):
-            if set(saved_ns) != set(ns):
+            if not isinstance(saved_ns, dict) or set(saved_ns) != set(ns):
+                held = sorted(saved_ns) if isinstance(saved_ns, dict) else saved_ns
                 raise ValueError(
-                    f"{cls}: loaded non-slot state of group {i} holds {sorted(saved_ns)}, "
-                    f"expected {sorted(ns)}"
+                    f"{cls}: loaded non-slot state of group {i} holds {held!r}, expected {sorted(ns)}"
                 )
-        super().load_state_dict(state_dict)
-        self._non_slot = [
-            {k: v.detach().to(device=ns[k].device, dtype=ns[k].dtype).clone() for k, v in saved_ns.items()}
-            for saved_ns, ns in zip(non_slot, self._non_slot, strict=True)
-        ]
+            for key, value in saved_ns.items():
+                _check_non_slot(cls, f"{key} (group {i})", value, ns[key])
+            for spec in self._non_slot_ranges:
+                if spec.key in saved_ns:
+                    spec.check(float(saved_ns[spec.key]))
+        return non_slot
 
     # ------------------------------------------------------------------ the update path
     def _use_foreach(self, group: dict[str, Any], params: list[Tensor]) -> bool:
@@ -618,8 +699,13 @@ class Optimizer(torch.optim.Optimizer):
         for gi, pairs in grouped.items():
             for g, p in pairs:
                 (sparse if g.is_sparse else dense).setdefault(gi, []).append((g, p))
-        for gi, group in enumerate(self.param_groups):
-            values = _evaluate(group, self._hypers)
+        # Every group's values are checked before any group is updated: a step is all or nothing.
+        evaluated = [_evaluate(group, self._hypers) for group in self.param_groups]
+        for gi, pairs in grouped.items():
+            fresh = {p.dtype for _, p in pairs if not self.state.get(p)}
+            if fresh:
+                _check_slot_values(evaluated[gi], self._hypers, fresh)
+        for gi, (group, values) in enumerate(zip(self.param_groups, evaluated, strict=True)):
             non_slot = self._non_slot[gi]
             for _, p in dense.get(gi, []) + sparse.get(gi, []):
                 if not self.state.get(p):
@@ -752,6 +838,11 @@ def compute_gradients(
             f"Optimizer.GATE_GRAPH. Not {gate_gradients!r}"
         )
     check_aggregation_method(aggregation_method)
+    if isinstance(var_list, Tensor):
+        # Iterating a tensor yields its rows, which are not leaves of the loss's graph.
+        raise TypeError(
+            f"var_list must be a list of tensors, got a single tensor {_describe(var_list)}; pass [tensor]"
+        )
     if callable(loss) and not isinstance(loss, Tensor):
         with torch.enable_grad():
             loss = loss()
@@ -783,15 +874,78 @@ def compute_gradients(
 
 
 def _evaluate(group: dict[str, Any], hypers: tuple[Hyper | Flag, ...]) -> dict[str, Any]:
-    """The group's hyperparameter values, callables evaluated (TF's ``_call_if_callable``)."""
+    """The group's hyperparameter values, callables evaluated (TF's ``_call_if_callable``), checked.
+
+    A value may have changed since the constructor checked it (an LR scheduler,
+    ``group["lr"] = ...``, a callable), so each is checked again before it is
+    used, with the constructor's ranges (a number already accepted costs a
+    cache lookup). Slot initial values are checked in the parameter dtype by
+    ``_apply``, when they fill new slots. Numbers and CPU tensors are read on
+    the host, which costs no device synchronisation; a tensor on an
+    accelerator is checked when set (constructor, ``add_param_group``,
+    ``load_state_dict``) but not at every step, as reading it would stall the
+    device.
+    """
     values: dict[str, Any] = {}
     for spec in hypers:
         value = group[spec.key]
         if isinstance(spec, Hyper) and callable(value) and not isinstance(value, Tensor):
+            if spec.key == "lr" and "initial_lr" in group:
+                # torch's schedulers set initial_lr and then multiply group["lr"]; they would fail
+                # on the callable later, in their own code, with an operand error.
+                raise RuntimeError(
+                    f"learning_rate is a callable ({value!r}) and a torch.optim.lr_scheduler drives this "
+                    "group (it set 'initial_lr'); pass a number or a 0-d tensor to use a scheduler, "
+                    "or put the schedule inside the callable"
+                )
             value = value()
+        if not (isinstance(value, Tensor) and value.device.type not in ("cpu", "meta")):
             spec.check(value)
         values[spec.key] = value
     return values
+
+
+def _check_slot_values(
+    values: dict[str, Any], hypers: tuple[Hyper | Flag, ...], dtypes: set[torch.dtype]
+) -> None:
+    """Check the slot initial values about to fill new slots of ``dtypes`` (see ``Hyper.in_param_dtype``)."""
+    for spec in hypers:
+        if isinstance(spec, Hyper) and spec.in_param_dtype:
+            value = values[spec.key]
+            if not (isinstance(value, Tensor) and value.device.type != "cpu"):
+                spec.check(value, dtypes)
+
+
+def _check_group_values(
+    group: dict[str, Any], hypers: tuple[Hyper | Flag, ...], dtypes: set[torch.dtype]
+) -> None:
+    """Check a param group's hyperparameters as the constructor does (``load_state_dict``)."""
+    for spec in hypers:
+        if spec.key in group:
+            spec.check(group[spec.key], dtypes)
+    if group.get("foreach") is not None and not isinstance(group["foreach"], bool):
+        raise TypeError(f"foreach must be None or a bool, got {group['foreach']!r}")
+
+
+def _check_non_slot(cls: str, name: str, value: Any, current: Tensor) -> None:
+    """A loaded non-slot tensor must match the kind and shape of ``current`` and be finite.
+
+    It is read on the host once, at load time: a NaN beta power would turn
+    every later update into NaN.
+    """
+    if (
+        not isinstance(value, Tensor)
+        or value.shape != current.shape
+        or value.dtype.is_floating_point != current.dtype.is_floating_point
+        or value.dtype == torch.bool
+    ):
+        kind = "floating" if current.dtype.is_floating_point else "integer"
+        raise TypeError(
+            f"{cls}: loaded non-slot state {name} must be a {kind} tensor of shape "
+            f"{tuple(current.shape)}, got {_describe(value)}"
+        )
+    if value.is_meta or not bool(torch.isfinite(value).all()):
+        raise ValueError(f"Invalid {name} value: {value!r}; expected finite numbers")
 
 
 def _check_grad(cls: str, g: Any, p: Tensor) -> None:
@@ -813,19 +967,44 @@ def _check_grad(cls: str, g: Any, p: Tensor) -> None:
                 f"{cls}: sparse gradients must be row-sparse (sparse_dim 1, as from "
                 f"nn.Embedding(sparse=True) or TF's IndexedSlices), got sparse_dim {g.sparse_dim()}"
             )
+        _check_rows(cls, g, p)
     elif g.layout != torch.strided:
         raise ValueError(f"{cls}: gradient layout {g.layout} is not supported (strided or sparse COO)")
 
 
+def _check_rows(cls: str, g: Tensor, p: Tensor) -> None:
+    """Refuse a sparse gradient whose row indices fall outside ``p``.
+
+    torch builds sparse tensors without checking their indices
+    (``check_invariants=False``), and an index past the end fails only inside
+    the update, after other parameters were changed. Reading the bounds is one
+    host synchronisation per sparse gradient; the sparse path already pays one
+    to coalesce.
+    """
+    rows = g._indices()[0]
+    if rows.numel() == 0:
+        return
+    low, high = (int(x) for x in torch.stack(torch.aminmax(rows)).tolist())
+    if low < 0 or high >= p.shape[0]:
+        bad = low if low < 0 else high
+        raise ValueError(
+            f"{cls}: sparse gradient row index {bad} is out of range for variable {_describe(p)} "
+            f"(valid rows: 0 to {p.shape[0] - 1})"
+        )
+
+
+# int32 and int64, as TF's global_step; narrower integers wrap within a training run (uint8 at 256 steps).
+_GLOBAL_STEP_DTYPES = (torch.int32, torch.int64)
+
+
 def _check_global_step(global_step: Any) -> None:
-    if (
-        not isinstance(global_step, Tensor)
-        or global_step.dim() != 0
-        or global_step.is_floating_point()
-        or global_step.is_complex()
-        or global_step.dtype == torch.bool
-    ):
+    if not isinstance(global_step, Tensor) or global_step.dim() != 0 or global_step.dtype.is_floating_point:
         raise TypeError(f"global_step must be a 0-d integer tensor, got {_describe(global_step)}")
+    if global_step.dtype not in _GLOBAL_STEP_DTYPES:
+        raise TypeError(
+            "global_step must be a 0-d int32 or int64 tensor (as TensorFlow's), got "
+            f"{_describe(global_step)}; a narrower integer wraps around during training"
+        )
 
 
 def _describe(v: Any) -> str:

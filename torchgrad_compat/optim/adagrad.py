@@ -65,7 +65,13 @@ class AdagradOptimizer(Optimizer):
 
     _hypers = (
         Hyper("lr", "learning_rate", 0.0),
-        Hyper("initial_accumulator_value", "initial_accumulator_value", 0.0, low_inclusive=False),
+        Hyper(
+            "initial_accumulator_value",
+            "initial_accumulator_value",
+            0.0,
+            low_inclusive=False,
+            in_param_dtype=True,
+        ),
     )
     _slots = ("accumulator",)
 

@@ -87,6 +87,7 @@ class AdagradDAOptimizer(Optimizer):
         tensor([-0.2500,  0.2500], dtype=torch.float64)
     """
 
+    _non_slot_ranges = (Hyper("global_step", "global_step", 0.0),)
     _hypers = (
         Hyper("lr", "learning_rate", 0.0),
         Hyper(
@@ -94,6 +95,7 @@ class AdagradDAOptimizer(Optimizer):
             "initial_gradient_squared_accumulator_value",
             0.0,
             low_inclusive=False,
+            in_param_dtype=True,
         ),
         Hyper("l1", "l1_regularization_strength", 0.0),
         Hyper("l2", "l2_regularization_strength", 0.0),

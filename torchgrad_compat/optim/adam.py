@@ -82,6 +82,11 @@ class AdamOptimizer(Optimizer):
         tensor([ 0.9000, -0.9000])
     """
 
+    # beta1_power = beta1**t: 1 would divide by zero in the bias correction.
+    _non_slot_ranges = (
+        Hyper("beta1_power", "beta1_power", 0.0, 1.0),
+        Hyper("beta2_power", "beta2_power", 0.0, 1.0),
+    )
     _hypers = (
         Hyper("lr", "learning_rate", 0.0),
         Hyper("beta1", "beta1", 0.0, 1.0),

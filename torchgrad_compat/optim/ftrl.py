@@ -101,7 +101,7 @@ class FtrlOptimizer(Optimizer):
             low_inclusive=False,
             high_inclusive=True,
         ),
-        Hyper("initial_accumulator_value", "initial_accumulator_value", 0.0),
+        Hyper("initial_accumulator_value", "initial_accumulator_value", 0.0, in_param_dtype=True),
         Hyper("l1_regularization_strength", "l1_regularization_strength", 0.0),
         Hyper("l2_regularization_strength", "l2_regularization_strength", 0.0),
         Hyper("l2_shrinkage_regularization_strength", "l2_shrinkage_regularization_strength", 0.0),

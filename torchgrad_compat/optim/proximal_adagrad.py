@@ -83,7 +83,13 @@ class ProximalAdagradOptimizer(Optimizer):
 
     _hypers = (
         Hyper("lr", "learning_rate", 0.0),
-        Hyper("initial_accumulator_value", "initial_accumulator_value", 0.0, low_inclusive=False),
+        Hyper(
+            "initial_accumulator_value",
+            "initial_accumulator_value",
+            0.0,
+            low_inclusive=False,
+            in_param_dtype=True,
+        ),
         Hyper("l1", "l1_regularization_strength", 0.0),
         Hyper("l2", "l2_regularization_strength", 0.0),
     )

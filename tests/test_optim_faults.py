@@ -1,0 +1,138 @@
+"""Hyperparameters that go bad after construction, for the optimizers where TF's range says so.
+
+The generic table (test_optim_generic.py) covers what holds for every optimizer:
+a learning rate written into a group, sparse rows out of range, loaded state.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+import torchgrad_compat.optim as tgo
+
+
+def _pair(value: float = 1.0):
+    p = torch.ones(3, requires_grad=True)
+    return p, torch.full((3,), value)
+
+
+def test_lambda_lr_driving_ftrl_learning_rate_to_zero_is_refused_before_the_update():
+    p, g = _pair()
+    opt = tgo.FtrlOptimizer([p], learning_rate=0.1)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda epoch: 1.0 - epoch)
+    p.grad = g
+    opt.step()
+    sched.step()  # FTRL divides by the learning rate: TF requires it to be > 0
+    before = (p.detach().clone(), {k: v.clone() for k, v in opt.state[p].items()})
+    with pytest.raises(
+        ValueError, match=r"Invalid learning_rate value: 0\.0; expected a value in \(0\.0, inf\)"
+    ):
+        opt.step()
+    assert torch.equal(p.detach(), before[0])
+    assert all(torch.equal(opt.state[p][k], v) for k, v in before[1].items())
+
+
+@pytest.mark.parametrize(
+    ("key", "value"), [("beta1", 1.0), ("beta2", 1.0), ("epsilon", 1e39), ("beta1", math.nan)]
+)
+def test_adam_hyperparameters_written_after_construction_are_checked(key, value):
+    p, g = _pair()
+    opt = tgo.AdamOptimizer([p], learning_rate=0.1)
+    opt.apply_gradients([(g, p)])
+    powers = [v.clone() for v in opt.state_dict()["non_slot_state"][0].values()]
+    opt.param_groups[0][key] = value
+    with pytest.raises(ValueError, match=f"Invalid {key} value"):
+        opt.apply_gradients([(g, p)])
+    after = list(opt.state_dict()["non_slot_state"][0].values())
+    assert all(torch.equal(a, b) for a, b in zip(after, powers, strict=True))  # beta powers did not advance
+
+
+def test_hyperparameters_are_checked_in_float32_whatever_the_parameter_dtype():
+    # TF converts every hyperparameter to a float32 tensor before casting it to the variable's dtype,
+    # and so does HyperScalars: 1e39 is inf there even for a float64 variable.
+    p = torch.ones(3, dtype=torch.float64, requires_grad=True)
+    with pytest.raises(ValueError, match=r"momentum value: 1e\+40.*rounds to inf"):
+        tgo.MomentumOptimizer([p], learning_rate=0.1, momentum=1e40)
+    with pytest.raises(ValueError, match="l2_shrinkage_regularization_strength value: 1e\\+39"):
+        tgo.FtrlOptimizer([p], learning_rate=0.1, l2_shrinkage_regularization_strength=1e39)
+    # The largest float32 is still a number: accepted.
+    tgo.GradientDescentOptimizer([p], learning_rate=3.4028234663852886e38)
+
+
+@pytest.mark.parametrize(
+    ("cls", "arg"),
+    [
+        (tgo.AdagradOptimizer, "initial_accumulator_value"),
+        (tgo.ProximalAdagradOptimizer, "initial_accumulator_value"),
+        (tgo.FtrlOptimizer, "initial_accumulator_value"),
+        (tgo.AdagradDAOptimizer, "initial_gradient_squared_accumulator_value"),
+    ],
+    ids=lambda x: getattr(x, "__name__", x),
+)
+def test_slot_initial_values_are_checked_in_the_slot_dtype(cls, arg):
+    # The slot is filled in the parameter's dtype: 1e5 is inf in float16 (every later update would be 0),
+    # 1e39 is a number in float64, as in TF's constant initializer.
+    half = torch.ones(3, dtype=torch.float16, requires_grad=True)
+    with pytest.raises(ValueError, match=rf"Invalid {arg} value: 100000\.0.*rounded to float16"):
+        cls([half], learning_rate=0.1, **{arg: 1e5})
+    wide = torch.ones(3, dtype=torch.float64, requires_grad=True)
+    opt = cls([wide], learning_rate=0.1, **{arg: 1e39})
+    opt.add_param_group({"params": [torch.ones(2, requires_grad=True)], arg: 1.0})
+    with pytest.raises(ValueError, match="rounded to float32"):
+        opt.add_param_group({"params": [torch.ones(2, requires_grad=True)]})  # 1e39 reaches a float32 slot
+    # Written after construction: checked when it is about to fill a new slot, before any update.
+    other = torch.ones(3, dtype=torch.float16, requires_grad=True)
+    opt = cls([half, other], learning_rate=0.1)
+    opt.apply_gradients([(torch.ones(3, dtype=torch.float16), half)])
+    opt.param_groups[0][next(h.key for h in opt._hypers if h.arg == arg)] = 1e5
+    before = half.detach().clone()
+    with pytest.raises(ValueError, match=rf"Invalid {arg} value: 100000\.0.*rounded to float16"):
+        opt.apply_gradients([(torch.ones(3, dtype=torch.float16), p) for p in (half, other)])
+    assert torch.equal(half.detach(), before) and not opt.state.get(other)
+
+
+def test_compute_gradients_refuses_a_single_tensor_as_var_list():
+    # Iterating a tensor gives its rows: every gradient came back None, with no error.
+    p = torch.ones(4, 3, requires_grad=True)
+    opt = tgo.GradientDescentOptimizer([p], learning_rate=0.1)
+    with pytest.raises(
+        TypeError, match=r"var_list must be a list of tensors.*shape=\(4, 3\).*pass \[tensor\]"
+    ):
+        opt.compute_gradients((p**2).sum(), var_list=p)
+    assert opt.compute_gradients((p**2).sum(), var_list=[p])[0][0] is not None
+
+
+def test_a_scheduler_over_a_callable_learning_rate_gets_a_named_error_at_the_first_step():
+    p = torch.ones(3, requires_grad=True)
+    opt = tgo.GradientDescentOptimizer([p], learning_rate=lambda: 0.1)
+    torch.optim.lr_scheduler.StepLR(opt, step_size=1)  # would fail later: "unsupported operand ... function"
+    p.grad = torch.ones(3)
+    with pytest.raises(
+        RuntimeError, match="learning_rate is a callable.*lr_scheduler.*a number or a 0-d tensor"
+    ):
+        opt.step()
+    assert torch.equal(p.detach(), torch.ones(3))
+
+
+@pytest.mark.parametrize(
+    ("cls", "key", "bad"),
+    [
+        (tgo.AdamOptimizer, "beta1_power", torch.tensor(1.0)),  # 1 - beta1_power = 0: a division by zero
+        (tgo.AdamOptimizer, "beta2_power", torch.tensor(-0.5)),
+        (tgo.AdagradDAOptimizer, "global_step", torch.tensor(-5)),
+    ],
+    ids=["adam-beta1_power=1", "adam-beta2_power<0", "adagradda-global_step<0"],
+)
+def test_loaded_non_slot_state_is_range_checked(cls, key, bad):
+    p, g = _pair()
+    opt = cls([p], learning_rate=0.1)
+    opt.apply_gradients([(g, p)])
+    sd = opt.state_dict()
+    sd["non_slot_state"][0][key] = bad
+    fresh = cls([torch.ones(3, requires_grad=True)], learning_rate=0.5)
+    with pytest.raises(ValueError, match=f"Invalid {key} value"):
+        fresh.load_state_dict(sd)
+    assert not fresh.state and fresh.param_groups[0]["lr"] == 0.5
