@@ -884,8 +884,11 @@ def _evaluate(group: dict[str, Any], hypers: tuple[Hyper | Flag, ...]) -> dict[s
     the host, which costs no device synchronisation; a tensor on an
     accelerator is checked when set (constructor, ``add_param_group``,
     ``load_state_dict``) but not at every step, as reading it would stall the
-    device.
+    device. Inside ``torch.compile`` the re-check is left out too: host-side
+    checks of a value the compiled graph keeps symbolic would break the graph
+    or specialise it on every value.
     """
+    compiling = torch.compiler.is_compiling()
     values: dict[str, Any] = {}
     for spec in hypers:
         value = group[spec.key]
@@ -899,7 +902,7 @@ def _evaluate(group: dict[str, Any], hypers: tuple[Hyper | Flag, ...]) -> dict[s
                     "or put the schedule inside the callable"
                 )
             value = value()
-        if not (isinstance(value, Tensor) and value.device.type not in ("cpu", "meta")):
+        if not compiling and not (isinstance(value, Tensor) and value.device.type not in ("cpu", "meta")):
             spec.check(value)
         values[spec.key] = value
     return values

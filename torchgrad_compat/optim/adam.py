@@ -154,8 +154,7 @@ class AdamOptimizer(Optimizer):
             if betas_moved:
                 group["beta1"], group["beta2"] = _check_betas(betas)
             elif tf_moved:
-                for spec in self._hypers[1:3]:
-                    spec.check(group[spec.key])
+                # Checked before use, with every hyperparameter (a state_dict() may still save it).
                 group["betas"] = tf_betas
             self._synced_betas[i] = group["betas"]
 
