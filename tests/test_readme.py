@@ -1,0 +1,93 @@
+"""Every Python block in README.md runs as written.
+
+The blocks read as one session, in order: a block may use what an earlier one
+defined (``model``, ``AdamOptimizer``, ...). A block that starts a job from
+torchrun's environment (``init_rpc_from_env``) is a program of its own and runs
+under ``torch.distributed.run`` with three processes on 127.0.0.1.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+from _procs import free_port
+
+README = Path(__file__).resolve().parents[1] / "README.md"
+TORCHRUN_DEADLINE_S = 120
+SESSION_DEADLINE_S = 300
+
+
+def _blocks() -> list[tuple[int, str]]:
+    """``(line, source)`` of every fenced ``python`` block, dedented (list items indent theirs)."""
+    text = README.read_text()
+    found = []
+    for match in re.finditer(r"^( *)```python\n(.*?)^\1```$", text, flags=re.M | re.S):
+        line = text.count("\n", 0, match.start()) + 1
+        found.append((line, textwrap.dedent(match.group(2))))
+    return found
+
+
+def _is_program(source: str) -> bool:
+    return "init_rpc_from_env()" in source
+
+
+def test_readme_has_python_blocks():
+    blocks = _blocks()
+    assert len(blocks) >= 5, [line for line, _ in blocks]
+    assert sum(_is_program(s) for _, s in blocks) == 1
+
+
+def test_session_blocks_run_in_order(tmp_path):
+    """One interpreter runs the blocks one after another, in one namespace, as a reader would."""
+    blocks = [(line, source) for line, source in _blocks() if not _is_program(source)]
+    driver = tmp_path / "session.py"
+    driver.write_text(
+        "import sys\n"
+        f"blocks = {blocks!r}\n"
+        "namespace = {'__name__': '__main__'}\n"
+        "for line, source in blocks:\n"
+        "    try:\n"
+        "        exec(compile(source, f'README.md:{line}', 'exec'), namespace)\n"
+        "    except BaseException:\n"
+        "        print(f'README.md block at line {line} failed', file=sys.stderr)\n"
+        "        raise\n"
+    )
+    result = subprocess.run(
+        [sys.executable, str(driver)],
+        capture_output=True,
+        text=True,
+        timeout=SESSION_DEADLINE_S,
+        cwd=tmp_path,
+    )
+    assert result.returncode == 0, result.stderr[-4000:]
+
+
+@pytest.mark.parametrize("line", [line for line, source in _blocks() if _is_program(source)])
+def test_torchrun_block_runs_under_torchrun(tmp_path, line):
+    source = dict(_blocks())[line]
+    program = tmp_path / "readme_job.py"
+    program.write_text(source)
+    command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "3"]
+    command += ["--master-addr", "127.0.0.1", "--master-port", str(free_port()), str(program)]
+    proc = subprocess.Popen(
+        command,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+        cwd=tmp_path,
+    )
+    try:
+        output, _ = proc.communicate(timeout=TORCHRUN_DEADLINE_S)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    assert proc.returncode == 0, f"README.md block at line {line}:\n{output[-4000:]}"
