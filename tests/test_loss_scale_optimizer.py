@@ -751,3 +751,118 @@ def test_expanded_gradient_gets_a_named_error_before_anything_changes():
     assert torch.equal(p.detach(), torch.full((4, 3), -0.025)) and torch.equal(
         q.detach(), torch.full((2,), -0.1)
     )
+
+
+# ---------------------------------------------------------------------- a step is all or nothing
+class _FailsOnce(torch.optim.SGD):
+    """SGD whose first ``step`` raises before changing anything (a transient failure)."""
+
+    def __init__(self, params: Any, lr: float) -> None:
+        super().__init__(params, lr=lr)
+        self.failures = 1
+
+    def step(self, closure: Any = None) -> Any:
+        if self.failures:
+            self.failures -= 1
+            raise RuntimeError("transient failure")
+        return super().step(closure)
+
+
+def _unscaled_run(slopes: list[list[float]]) -> Tensor:
+    """SGD with lr 0.5 on ``Σ w·slope`` per step, no loss scaling: where ``w`` should end."""
+    w = nn.Parameter(torch.tensor([1.0, 2.0]))
+    sgd = torch.optim.SGD([w], lr=0.5)
+    for slope in slopes:
+        sgd.zero_grad()
+        (w * torch.tensor(slope)).sum().backward()
+        sgd.step()
+    return w.detach()
+
+
+@pytest.mark.parametrize("unscale_first", [False, True], ids=["step", "unscale_then_step"])
+def test_a_failed_step_then_a_retry_is_the_first_attempt(unscale_first: bool) -> None:
+    """The wrapped optimizer raises: the scale, its counter and the unscaled gradients are as if
+    step() had not run (p.grad stays unscaled, as after unscale_()); the retry applies them once."""
+    w = nn.Parameter(torch.tensor([1.0, 2.0]))
+    opt = LossScaleOptimizer(_FailsOnce([w], lr=0.5), DynamicLossScale(8.0, increment_period=2))
+    opt.get_scaled_loss((w * torch.tensor([1.0, 3.0])).sum()).backward()
+    if unscale_first:
+        opt.unscale_()
+    with pytest.raises(RuntimeError, match="transient failure"):
+        opt.step()
+    assert torch.equal(w.grad, torch.tensor([1.0, 3.0]))  # unscaled once, not yet applied
+    assert float(opt.loss_scale()) == 8.0 and int(opt.loss_scale.good_steps) == 0
+    assert torch.equal(w.detach(), torch.tensor([1.0, 2.0]))
+    opt.step()
+    assert torch.equal(w.detach(), _unscaled_run([[1.0, 3.0]]))
+    assert float(opt.loss_scale()) == 8.0 and int(opt.loss_scale.good_steps) == 1
+    opt.zero_grad()
+    opt.get_scaled_loss((w * torch.tensor([2.0, -1.0])).sum()).backward()
+    opt.step()  # the second finite step of the period: the scale grows, once
+    assert torch.equal(w.detach(), _unscaled_run([[1.0, 3.0], [2.0, -1.0]]))
+    assert float(opt.loss_scale()) == 16.0 and int(opt.loss_scale.good_steps) == 0
+
+
+@pytest.mark.parametrize("finite", [True, False], ids=["finite", "inf"])
+def test_a_failed_apply_gradients_leaves_the_scale_for_the_retry(finite: bool) -> None:
+    """TF style: the wrapped optimizer raises; the scale and counter (or the backoff of a skip)
+    are not advanced, so the retry is the first attempt."""
+    w = nn.Parameter(torch.tensor([1.0, 2.0]))
+    opt = LossScaleOptimizer(_FailsOnce([w], lr=0.5), DynamicLossScale(8.0, increment_period=2))
+    grad = torch.tensor([1.0, 3.0] if finite else [INF, 3.0])
+    if finite:
+        with pytest.raises(RuntimeError, match="transient failure"):
+            opt.apply_gradients([(grad, w)])
+        assert float(opt.loss_scale()) == 8.0 and int(opt.loss_scale.good_steps) == 0
+    opt.apply_gradients([(grad, w)])
+    expected = _unscaled_run([[1.0, 3.0]]) if finite else torch.tensor([1.0, 2.0])
+    assert torch.equal(w.detach(), expected)
+    assert float(opt.loss_scale()) == (8.0 if finite else 4.0)
+    assert int(opt.loss_scale.good_steps) == (1 if finite else 0)
+
+
+MISFIT_GRADS = [
+    pytest.param(torch.ones(3), ValueError, "gradient shape", id="shape-finite"),
+    pytest.param(torch.tensor([1.0, INF, 2.0]), ValueError, "gradient shape", id="shape-inf"),
+    pytest.param(torch.ones(2, dtype=torch.float64), TypeError, "gradient dtype", id="dtype-finite"),
+    pytest.param(torch.tensor([INF, 1.0], dtype=torch.float64), TypeError, "gradient dtype", id="dtype-inf"),
+    pytest.param(
+        torch.sparse_coo_tensor(torch.tensor([[0, 5]]), torch.tensor([INF, 1.0]), (2,), check_invariants=False),
+        ValueError,
+        "row index 5 is out of range",
+        id="sparse-row-out-of-range-inf",
+    ),
+]
+
+
+@pytest.mark.parametrize(("grad", "exception", "words"), MISFIT_GRADS)
+def test_apply_gradients_refuses_a_misfit_gradient_before_the_scale_changes(
+    grad: Tensor, exception: type[Exception], words: str
+) -> None:
+    """A gradient that does not fit its variable raises whether or not it holds an inf: the
+    scale neither backs off nor counts a good step, and no other variable moves."""
+    w, v = nn.Parameter(torch.tensor([1.0, 2.0])), nn.Parameter(torch.ones(3))
+    opt = LossScaleOptimizer(tgo.GradientDescentOptimizer([v, w], 0.5), DynamicLossScale(8.0, 10))
+    global_step = torch.zeros((), dtype=torch.int64)
+    with pytest.raises(exception, match=words):
+        opt.apply_gradients([(torch.ones(3), v), (grad, w)], global_step=global_step)
+    assert float(opt.loss_scale()) == 8.0 and int(opt.loss_scale.good_steps) == 0
+    assert torch.equal(v.detach(), torch.ones(3)) and torch.equal(w.detach(), torch.tensor([1.0, 2.0]))
+    assert int(global_step) == 0
+
+
+@pytest.mark.parametrize(("grad", "exception", "words"), MISFIT_GRADS[:4])
+def test_step_refuses_a_misfit_p_grad_before_anything_changes(
+    grad: Tensor, exception: type[Exception], words: str
+) -> None:
+    """torch checks ``p.grad = ...`` but not ``p.grad.data = ...``: step() checks every p.grad
+    before unscaling any, so the other gradients, the scale and the parameters stay as they were."""
+    v, w = nn.Parameter(torch.ones(3)), nn.Parameter(torch.tensor([1.0, 2.0]))
+    opt = LossScaleOptimizer(tgo.GradientDescentOptimizer([v, w], 0.5), DynamicLossScale(8.0, 10))
+    opt.get_scaled_loss((v.sum() + w.sum())).backward()
+    w.grad.data = grad.clone()
+    with pytest.raises(exception, match=words):
+        opt.step()
+    assert torch.equal(v.grad, torch.full((3,), 8.0))  # not unscaled
+    assert float(opt.loss_scale()) == 8.0 and int(opt.loss_scale.good_steps) == 0
+    assert torch.equal(v.detach(), torch.ones(3)) and torch.equal(w.detach(), torch.tensor([1.0, 2.0]))

@@ -2,14 +2,15 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Sequence
+import contextlib
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any, ClassVar
 
 import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from ..optim._base import _check_global_step, _describe
+from ..optim._base import _check_global_step, _check_grad, _describe
 from ..optim._wrapper import OptimizerWrapper
 from .loss_scale import LossScale, as_loss_scale, found_non_finite
 
@@ -200,23 +201,33 @@ class LossScaleOptimizer(OptimizerWrapper):
         ``closure``, if given, must compute the loss and call
         ``opt.get_scaled_loss(loss).backward()``; its result is returned.
 
+        If the wrapped optimizer's ``step`` raises, the scale and its counter
+        are restored and ``p.grad`` stays unscaled, as after ``unscale_()``:
+        calling ``step()`` again does what the failed call would have done.
+
         Raises:
             RuntimeError: no parameter has a gradient (nothing was scaled and
                 back-propagated since the last ``zero_grad()``); raised before
                 any collective and before the scale changes.
+            ValueError, TypeError: a ``p.grad`` does not fit its parameter
+                (shape, dtype, device, sparse layout); raised before anything changes.
         """
         loss = None
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
         with torch.no_grad():
-            found_inf = self._found_inf if self._unscaled else self._unscale_grads()
+            if not self._unscaled:
+                self._found_inf = self._unscale_grads()
+                self._unscaled = True
+            found_inf = self._found_inf
+            with self._scale_restored_on_error():
+                if found_inf is not None and _skips_on_device(self._optimizer):
+                    self._advance(found_inf)
+                    self._step_skipping_on_device(found_inf)
+                elif self._should_apply(found_inf):
+                    self._optimizer.step()
             self._unscaled, self._found_inf = False, None
-            if found_inf is not None and _skips_on_device(self._optimizer):
-                self._advance(found_inf)
-                self._step_skipping_on_device(found_inf)
-            elif self._should_apply(found_inf):
-                self._optimizer.step()
         return loss
 
     def zero_grad(self, set_to_none: bool = True) -> None:
@@ -238,6 +249,8 @@ class LossScaleOptimizer(OptimizerWrapper):
             )
         for i, p in enumerate(self._all_params()):
             g = p.grad
+            if g is not None:
+                _check_grad(type(self).__name__, g, p)
             # An expanded view (stride 0) shares one element between many: it cannot be unscaled in place.
             if (
                 g is not None
@@ -305,8 +318,9 @@ class LossScaleOptimizer(OptimizerWrapper):
         """Update the scale on the (already unscaled) gradients; apply them unless one is non-finite.
 
         On a skipped step nothing of the wrapped optimizer changes and
-        ``global_step`` is not incremented (TF v1). The arguments are checked
-        before the scale changes.
+        ``global_step`` is not incremented (TF v1). Every pair is checked
+        (variable, gradient shape, dtype, device) before the scale changes; if
+        the wrapped optimizer raises, the scale and its counter are restored.
         """
         pairs = list(grads_and_vars)
         self._check_pairs(pairs, global_step)
@@ -314,27 +328,36 @@ class LossScaleOptimizer(OptimizerWrapper):
         found_inf = (
             found_non_finite(grads, self._loss_scale.device) if self._loss_scale.checks_gradients else None
         )
-        if self._should_apply(found_inf):
-            self._apply_inner(pairs, global_step=global_step, name=name)
+        with self._scale_restored_on_error():
+            if self._should_apply(found_inf):
+                self._apply_inner(pairs, global_step=global_step, name=name)
 
     def _check_pairs(self, pairs: list[Any], global_step: Any) -> None:
+        """Every pair, before anything changes: the shared checks, including each gradient's
+        shape and dtype (a misshapen gradient holding an inf must raise, not skip the step)."""
         if not pairs:
             raise ValueError("No variables provided.")
-        managed = {id(p) for p in self._all_params()}
-        for item in pairs:
-            if not (isinstance(item, (tuple, list)) and len(item) == 2):
-                raise TypeError(f"grads_and_vars must hold (gradient, variable) pairs, got {item!r}")
-            g, v = item
-            if g is not None and not isinstance(g, Tensor):
-                raise TypeError(
-                    f"Gradient must be a Tensor or None, got {type(g).__name__} for {_describe(v)}"
-                )
-            if id(v) not in managed:
-                raise ValueError(f"{type(self._optimizer).__name__} does not manage variable {_describe(v)}")
+        self._grads_by_param(pairs)
         if all(g is None for g, _ in pairs):
             raise ValueError(f"No gradients provided for any variable: {[_describe(v) for _, v in pairs]}.")
         if global_step is not None:
             _check_global_step(global_step)
+
+    @contextlib.contextmanager
+    def _scale_restored_on_error(self) -> Iterator[None]:
+        """Put the loss scale's state back if the block raises (e.g. the wrapped optimizer's step).
+
+        A copy of the state tensors (the scale and the counter: two scalars, on
+        device, no synchronisation) is taken before the block.
+        """
+        variables = self._loss_scale.variables()
+        saved = [v.clone() for v in variables]
+        try:
+            yield
+        except BaseException:
+            for v, before in zip(variables, saved, strict=True):
+                v.copy_(before)
+            raise
 
     # ------------------------------------------------------------------ the decision
     def _should_apply(self, found_inf: Tensor | None) -> bool:
