@@ -930,7 +930,7 @@ def test_a_second_update_on_the_same_gradients_raises(then: str) -> None:
         opt.apply_gradients([(opt.get_unscaled_gradients([w.grad])[0], w)])
     after = w.detach().clone()
     assert torch.equal(after, torch.tensor([0.5, 0.5]))
-    with pytest.raises(RuntimeError, match=r"since the last step\(\): a second step\(\) would apply"):
+    with pytest.raises(RuntimeError, match=r"since the last step\(\) .*: a second step\(\) would apply"):
         opt.step()
     assert torch.equal(w.detach(), after) and int(opt.loss_scale.good_steps) == 1
     opt.zero_grad()

@@ -511,8 +511,9 @@ class _StepMarks:
             return
         if self.stepped:
             why = (
-                "since the last step(): a second step() would apply the same gradients again, and "
-                "gradients of loss.backward() on the unscaled loss would be divided by the scale"
+                "since the last step() (or apply_gradients()): a second step() would apply the same "
+                "gradients again, and gradients of loss.backward() on the unscaled loss would be "
+                "divided by the scale"
             )
         else:
             why = (
