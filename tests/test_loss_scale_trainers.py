@@ -45,7 +45,13 @@ def _optimizer(model: nn.Module) -> LossScaleOptimizer:
     return LossScaleOptimizer(tgo.AdamOptimizer(model.parameters(), 0.01), DynamicLossScale(128.0, 2))
 
 
-def _reference(accumulate: int, clip: float | None) -> tuple[list[Tensor], list[float]]:
+def _autocast(enabled: bool) -> torch.autocast:
+    return torch.autocast("cpu", dtype=torch.bfloat16, enabled=enabled)
+
+
+def _reference(
+    accumulate: int, clip: float | None, autocast: bool = False
+) -> tuple[list[Tensor], list[float]]:
     """The same training as a plain loop: parameters at the end, the scale after each step."""
     model = _model()
     opt = _optimizer(model)
@@ -54,7 +60,9 @@ def _reference(accumulate: int, clip: float | None) -> tuple[list[Tensor], list[
         opt.zero_grad()
         for i in range(first, first + accumulate):
             x, y = _batch(i)
-            opt.get_scaled_loss(_loss(model, x, y, i) / accumulate).backward()
+            with _autocast(autocast):
+                loss = _loss(model, x, y, i)
+            opt.get_scaled_loss(loss / accumulate).backward()
         opt.unscale_()
         if clip is not None:
             nn.utils.clip_grad_norm_(model.parameters(), clip)
@@ -63,8 +71,10 @@ def _reference(accumulate: int, clip: float | None) -> tuple[list[Tensor], list[
     return [p.detach().clone() for p in model.parameters()], scales
 
 
-def _assert_same_run(params: list[Tensor], scales: list[float], accumulate: int, clip: float | None) -> None:
-    expected_params, expected_scales = _reference(accumulate, clip)
+def _assert_same_run(
+    params: list[Tensor], scales: list[float], accumulate: int, clip: float | None, autocast: bool = False
+) -> None:
+    expected_params, expected_scales = _reference(accumulate, clip, autocast)
     assert scales == expected_scales
     assert any(b < a for a, b in itertools.pairwise(expected_scales)), "a step was skipped"
     for p, q in zip(params, expected_params, strict=True):
@@ -76,10 +86,14 @@ def _lightning() -> Any:
     return pytest.importorskip("lightning.pytorch", reason="lightning is not installed")
 
 
-def _loss_scale_precision(L: Any) -> Any:
-    """The README's precision plugin (Lightning's own AMP plugin does the same around GradScaler)."""
+def _loss_scale_precision(L: Any, autocast: bool) -> Any:
+    """The README's precision plugin (Lightning's own AMP plugin does the same around GradScaler),
+    with autocast to bfloat16 here, on the CPU (README: float16 on CUDA)."""
 
     class LossScalePrecision(L.plugins.Precision):
+        def forward_context(self):
+            return _autocast(autocast)
+
         def backward(self, tensor, model, optimizer, *args, **kwargs):
             if optimizer is not None:  # automatic optimization; under manual_backward, scale it yourself
                 tensor = optimizer.get_scaled_loss(tensor)
@@ -141,19 +155,19 @@ def _fit(L: Any, module: Any, **trainer_kwargs: Any) -> None:
 
 
 @pytest.mark.filterwarnings("ignore::UserWarning")  # Lightning's advice on workers and logging
-@pytest.mark.parametrize("accumulate", [1, 2])
-def test_lightning_automatic_optimization_with_the_precision_plugin(accumulate: int) -> None:
+@pytest.mark.parametrize(("accumulate", "autocast"), [(1, False), (2, False), (2, True)])
+def test_lightning_automatic_optimization_with_the_precision_plugin(accumulate: int, autocast: bool) -> None:
     L = _lightning()
     scales: list[float] = []
     module = _lightning_module(L, manual=False, scales=scales)
     _fit(
         L,
         module,
-        plugins=[_loss_scale_precision(L)],
+        plugins=[_loss_scale_precision(L, autocast)],
         accumulate_grad_batches=accumulate,
         gradient_clip_val=CLIP,
     )
-    _assert_same_run(list(module.net.parameters()), scales, accumulate, CLIP)
+    _assert_same_run(list(module.net.parameters()), scales, accumulate, CLIP, autocast)
 
 
 @pytest.mark.filterwarnings("ignore::UserWarning")
