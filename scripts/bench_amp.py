@@ -16,7 +16,8 @@ with its own copy of the same gradients:
   gradients (``torch.amp.GradScaler(init_scale=2**15)``).
 
 Unscaling rewrites the gradients, so they are restored before every step,
-outside the timed region. The three are timed in turn within each repeat, in
+outside the timed region (with, for LossScaleOptimizer, the backward pass
+through ``get_scaled_loss`` that its ``step()`` requires). The three are timed in turn within each repeat, in
 an order that rotates from one repeat to the next, so that load from other
 processes falls on all of them alike; the table gives the median milliseconds
 per step and the overhead over the bare step. The output is a Markdown table.
@@ -85,6 +86,11 @@ class Runner:
                 self.scaler.scale(torch.ones((), device=params[0].device))
 
     def restore(self) -> None:
+        if isinstance(self.opt, LossScaleOptimizer):
+            # step() needs a backward pass through get_scaled_loss since the last step; this one
+            # reaches no parameter, so the gradients are the copies below.
+            device = self.params[0].device
+            self.opt.get_scaled_loss(torch.zeros((), device=device, requires_grad=True)).backward()
         torch._foreach_copy_([p.grad for p in self.params], self.saved)
 
     def step(self) -> None:

@@ -210,10 +210,17 @@ def _inject(grads: list[Tensor], gen: torch.Generator) -> None:
     target.view(-1)[int(torch.randint(target.numel(), (), generator=gen))] = value
 
 
+def _scaled_backward(opt: LossScaleOptimizer, params: list[Tensor]) -> None:
+    """A backward pass through ``get_scaled_loss`` that leaves every ``p.grad`` zero: the test
+    then assigns the scaled gradients it needs, as a gradient hook could."""
+    opt.get_scaled_loss(sum((p * 0).sum() for p in params)).backward()
+
+
 def _drive(
     opt: LossScaleOptimizer, params: list[Tensor], grads: list[Tensor], mode: str, step: Tensor
 ) -> None:
     if mode == "step":
+        _scaled_backward(opt, params)
         for p, g in zip(params, grads):
             p.grad = g
         opt.step()
@@ -527,6 +534,7 @@ def test_float16_sparse_sum_overflow(scale: float, values: list[float], applied:
     p = torch.zeros(3, 2, dtype=torch.float16, requires_grad=True)
     opt = LossScaleOptimizer(tgo.GradientDescentOptimizer([p], 1e-4), DynamicLossScale(scale, 10))
     rows = torch.tensor(values, dtype=torch.float16)[:, None].expand(2, 2).contiguous()
+    _scaled_backward(opt, [p])
     p.grad = torch.sparse_coo_tensor(torch.tensor([[1, 1]]), rows, (3, 2), check_invariants=True)
     opt.step()
     assert bool(p.detach().ne(0).any()) is applied
@@ -741,6 +749,7 @@ def test_host_syncs_per_step_on_cuda(fused: bool, syncs: int) -> None:
 def test_expanded_gradient_gets_a_named_error_before_anything_changes():
     p, q = torch.zeros(4, 3, requires_grad=True), torch.zeros(2, requires_grad=True)
     opt = LossScaleOptimizer(tgo.GradientDescentOptimizer([q, p], 0.1), loss_scale=4.0)
+    _scaled_backward(opt, [q, p])
     q.grad = torch.full((2,), 4.0)
     p.grad = torch.ones(3).expand(4, 3)  # stride 0: one element stands for four
     with pytest.raises(RuntimeError, match=r"parameter 1 .*expanded view.*p.grad = p.grad.contiguous\(\)"):
@@ -751,3 +760,280 @@ def test_expanded_gradient_gets_a_named_error_before_anything_changes():
     assert torch.equal(p.detach(), torch.full((4, 3), -0.025)) and torch.equal(
         q.detach(), torch.full((2,), -0.1)
     )
+
+
+# ---------------------------------------------------------------------- a step is all or nothing
+class _FailsOnce(torch.optim.SGD):
+    """SGD whose first ``step`` raises before changing anything (a transient failure)."""
+
+    def __init__(self, params: Any, lr: float) -> None:
+        super().__init__(params, lr=lr)
+        self.failures = 1
+
+    def step(self, closure: Any = None) -> Any:
+        if self.failures:
+            self.failures -= 1
+            raise RuntimeError("transient failure")
+        return super().step(closure)
+
+
+def _unscaled_run(slopes: list[list[float]]) -> Tensor:
+    """SGD with lr 0.5 on ``Σ w·slope`` per step, no loss scaling: where ``w`` should end."""
+    w = nn.Parameter(torch.tensor([1.0, 2.0]))
+    sgd = torch.optim.SGD([w], lr=0.5)
+    for slope in slopes:
+        sgd.zero_grad()
+        (w * torch.tensor(slope)).sum().backward()
+        sgd.step()
+    return w.detach()
+
+
+@pytest.mark.parametrize("unscale_first", [False, True], ids=["step", "unscale_then_step"])
+def test_a_failed_step_then_a_retry_is_the_first_attempt(unscale_first: bool) -> None:
+    """The wrapped optimizer raises: the scale, its counter and the unscaled gradients are as if
+    step() had not run (p.grad stays unscaled, as after unscale_()); the retry applies them once."""
+    w = nn.Parameter(torch.tensor([1.0, 2.0]))
+    opt = LossScaleOptimizer(_FailsOnce([w], lr=0.5), DynamicLossScale(8.0, increment_period=2))
+    opt.get_scaled_loss((w * torch.tensor([1.0, 3.0])).sum()).backward()
+    if unscale_first:
+        opt.unscale_()
+    with pytest.raises(RuntimeError, match="transient failure"):
+        opt.step()
+    assert torch.equal(w.grad, torch.tensor([1.0, 3.0]))  # unscaled once, not yet applied
+    assert float(opt.loss_scale()) == 8.0 and int(opt.loss_scale.good_steps) == 0
+    assert torch.equal(w.detach(), torch.tensor([1.0, 2.0]))
+    opt.step()
+    assert torch.equal(w.detach(), _unscaled_run([[1.0, 3.0]]))
+    assert float(opt.loss_scale()) == 8.0 and int(opt.loss_scale.good_steps) == 1
+    opt.zero_grad()
+    opt.get_scaled_loss((w * torch.tensor([2.0, -1.0])).sum()).backward()
+    opt.step()  # the second finite step of the period: the scale grows, once
+    assert torch.equal(w.detach(), _unscaled_run([[1.0, 3.0], [2.0, -1.0]]))
+    assert float(opt.loss_scale()) == 16.0 and int(opt.loss_scale.good_steps) == 0
+
+
+@pytest.mark.parametrize("finite", [True, False], ids=["finite", "inf"])
+def test_a_failed_apply_gradients_leaves_the_scale_for_the_retry(finite: bool) -> None:
+    """TF style: the wrapped optimizer raises; the scale and counter (or the backoff of a skip)
+    are not advanced, so the retry is the first attempt."""
+    w = nn.Parameter(torch.tensor([1.0, 2.0]))
+    opt = LossScaleOptimizer(_FailsOnce([w], lr=0.5), DynamicLossScale(8.0, increment_period=2))
+    grad = torch.tensor([1.0, 3.0] if finite else [INF, 3.0])
+    if finite:
+        with pytest.raises(RuntimeError, match="transient failure"):
+            opt.apply_gradients([(grad, w)])
+        assert float(opt.loss_scale()) == 8.0 and int(opt.loss_scale.good_steps) == 0
+    opt.apply_gradients([(grad, w)])
+    expected = _unscaled_run([[1.0, 3.0]]) if finite else torch.tensor([1.0, 2.0])
+    assert torch.equal(w.detach(), expected)
+    assert float(opt.loss_scale()) == (8.0 if finite else 4.0)
+    assert int(opt.loss_scale.good_steps) == (1 if finite else 0)
+
+
+MISFIT_GRADS = [
+    pytest.param(torch.ones(3), ValueError, "gradient shape", id="shape-finite"),
+    pytest.param(torch.tensor([1.0, INF, 2.0]), ValueError, "gradient shape", id="shape-inf"),
+    pytest.param(torch.ones(2, dtype=torch.float64), TypeError, "gradient dtype", id="dtype-finite"),
+    pytest.param(torch.tensor([INF, 1.0], dtype=torch.float64), TypeError, "gradient dtype", id="dtype-inf"),
+    pytest.param(
+        torch.sparse_coo_tensor(
+            torch.tensor([[0, 5]]), torch.tensor([INF, 1.0]), (2,), check_invariants=False
+        ),
+        ValueError,
+        "row index 5 is out of range",
+        id="sparse-row-out-of-range-inf",
+    ),
+]
+
+
+@pytest.mark.parametrize(("grad", "exception", "words"), MISFIT_GRADS)
+def test_apply_gradients_refuses_a_misfit_gradient_before_the_scale_changes(
+    grad: Tensor, exception: type[Exception], words: str
+) -> None:
+    """A gradient that does not fit its variable raises whether or not it holds an inf: the
+    scale neither backs off nor counts a good step, and no other variable moves."""
+    w, v = nn.Parameter(torch.tensor([1.0, 2.0])), nn.Parameter(torch.ones(3))
+    opt = LossScaleOptimizer(tgo.GradientDescentOptimizer([v, w], 0.5), DynamicLossScale(8.0, 10))
+    global_step = torch.zeros((), dtype=torch.int64)
+    with pytest.raises(exception, match=words):
+        opt.apply_gradients([(torch.ones(3), v), (grad, w)], global_step=global_step)
+    assert float(opt.loss_scale()) == 8.0 and int(opt.loss_scale.good_steps) == 0
+    assert torch.equal(v.detach(), torch.ones(3)) and torch.equal(w.detach(), torch.tensor([1.0, 2.0]))
+    assert int(global_step) == 0
+
+
+@pytest.mark.parametrize(("grad", "exception", "words"), MISFIT_GRADS[:4])
+def test_step_refuses_a_misfit_p_grad_before_anything_changes(
+    grad: Tensor, exception: type[Exception], words: str
+) -> None:
+    """torch checks ``p.grad = ...`` but not ``p.grad.data = ...``: step() checks every p.grad
+    before unscaling any, so the other gradients, the scale and the parameters stay as they were."""
+    v, w = nn.Parameter(torch.ones(3)), nn.Parameter(torch.tensor([1.0, 2.0]))
+    opt = LossScaleOptimizer(tgo.GradientDescentOptimizer([v, w], 0.5), DynamicLossScale(8.0, 10))
+    opt.get_scaled_loss(v.sum() + w.sum()).backward()
+    w.grad.data = grad.clone()
+    with pytest.raises(exception, match=words):
+        opt.step()
+    assert torch.equal(v.grad, torch.full((3,), 8.0))  # not unscaled
+    assert float(opt.loss_scale()) == 8.0 and int(opt.loss_scale.good_steps) == 0
+    assert torch.equal(v.detach(), torch.ones(3)) and torch.equal(w.detach(), torch.tensor([1.0, 2.0]))
+
+
+# ---------------------------------------------------------------------- misuse is loud
+def _gd_on_w(scale: float = 8.0) -> tuple[nn.Parameter, LossScaleOptimizer]:
+    w = nn.Parameter(torch.tensor([1.0, 2.0]))
+    return w, LossScaleOptimizer(tgo.GradientDescentOptimizer([w], 0.5), DynamicLossScale(scale, 10))
+
+
+def _slope_loss(w: Tensor) -> Tensor:
+    return (w * torch.tensor([1.0, 3.0])).sum()
+
+
+def _assert_untouched(w: Tensor, opt: LossScaleOptimizer, scale: float = 8.0) -> None:
+    assert float(opt.loss_scale()) == scale and int(opt.loss_scale.good_steps) == 0
+    assert torch.equal(w.detach(), torch.tensor([1.0, 2.0]))
+
+
+def test_step_after_an_unscaled_backward_raises() -> None:
+    """What a trainer that calls loss.backward() itself does: the update would be divided by
+    the scale (here GD would move w by 0.5/8 instead of 0.5). It raises, naming the remedy."""
+    w, opt = _gd_on_w()
+    _slope_loss(w).backward()
+    with pytest.raises(RuntimeError, match=r"step\(\): no backward pass went through opt.get_scaled_loss"):
+        opt.step()
+    assert torch.equal(w.grad, torch.tensor([1.0, 3.0]))  # not unscaled
+    _assert_untouched(w, opt)
+    with pytest.raises(RuntimeError, match=r"unscale_\(\): no backward pass .*loss.backward\(\)"):
+        opt.unscale_()
+    _assert_untouched(w, opt)
+
+
+def test_a_scaled_loss_that_was_not_the_one_back_propagated_does_not_count() -> None:
+    """get_scaled_loss called (e.g. for logging) but the unscaled loss back-propagated: raises."""
+    w, opt = _gd_on_w()
+    loss = _slope_loss(w)
+    opt.get_scaled_loss(loss)
+    loss.backward()
+    with pytest.raises(RuntimeError, match="get_scaled_loss"):
+        opt.step()
+    _assert_untouched(w, opt)
+
+
+@pytest.mark.parametrize("then", ["step", "apply_gradients"])
+def test_a_second_update_on_the_same_gradients_raises(then: str) -> None:
+    """step() twice without a new scaled backward pass would unscale and apply p.grad again."""
+    w, opt = _gd_on_w()
+    opt.get_scaled_loss(_slope_loss(w)).backward()
+    if then == "step":
+        opt.step()
+    else:  # Keras's custom loop: unscale the scaled p.grad out of place and apply it
+        opt.apply_gradients([(opt.get_unscaled_gradients([w.grad])[0], w)])
+    after = w.detach().clone()
+    assert torch.equal(after, torch.tensor([0.5, 0.5]))
+    with pytest.raises(RuntimeError, match=r"since the last step\(\) .*: a second step\(\) would apply"):
+        opt.step()
+    assert torch.equal(w.detach(), after) and int(opt.loss_scale.good_steps) == 1
+    opt.zero_grad()
+    opt.get_scaled_loss(_slope_loss(w)).backward()
+    opt.step()
+    assert torch.equal(w.detach(), torch.tensor([0.0, -1.0]))
+
+
+def test_zero_grad_forgets_the_scaled_backward() -> None:
+    w, opt = _gd_on_w()
+    opt.get_scaled_loss(_slope_loss(w)).backward()
+    opt.zero_grad(set_to_none=False)
+    with pytest.raises(RuntimeError, match=r"since zero_grad\(\)"):
+        opt.step()
+    _assert_untouched(w, opt)
+
+
+def test_compute_gradients_does_not_count_as_a_scaled_backward() -> None:
+    """compute_gradients scales its loss itself and leaves p.grad alone: a stale, unscaled
+    p.grad is still refused by step()."""
+    w, opt = _gd_on_w()
+    _slope_loss(w).backward()
+    pairs = opt.compute_gradients(_slope_loss(w))
+    assert torch.equal(pairs[0][0], torch.tensor([1.0, 3.0]))
+    with pytest.raises(RuntimeError, match="get_scaled_loss"):
+        opt.step()
+    _assert_untouched(w, opt)
+    opt.minimize(lambda: _slope_loss(w))
+    assert torch.equal(w.detach(), torch.tensor([0.5, 0.5]))
+
+
+def test_accumulating_scaled_micro_batches_then_one_step() -> None:
+    """Several scaled backward passes, one step: the update of the summed loss."""
+    w, opt = _gd_on_w()
+    for slope in ([1.0, 3.0], [2.0, -1.0], [0.5, 0.5]):
+        opt.get_scaled_loss((w * torch.tensor(slope)).sum()).backward()
+    opt.step()
+    assert torch.equal(w.detach(), torch.tensor([1.0, 2.0]) - 0.5 * torch.tensor([3.5, 2.5]))
+
+
+def test_autograd_grad_through_the_scaled_loss_counts() -> None:
+    """Scaled gradients from torch.autograd.grad, put into p.grad by hand, then step()."""
+    w, opt = _gd_on_w()
+    (w.grad,) = torch.autograd.grad(opt.get_scaled_loss(_slope_loss(w)), [w])
+    opt.step()
+    assert torch.equal(w.detach(), torch.tensor([0.5, 0.5]))
+
+
+def test_a_closure_that_scales_and_back_propagates_counts() -> None:
+    w, opt = _gd_on_w()
+
+    def scaled_closure() -> Tensor:
+        opt.zero_grad()
+        loss = _slope_loss(w)
+        opt.get_scaled_loss(loss).backward()
+        return loss
+
+    def unscaled_closure() -> Tensor:
+        opt.zero_grad()
+        loss = _slope_loss(w)
+        loss.backward()
+        return loss
+
+    opt.step(scaled_closure)
+    assert torch.equal(w.detach(), torch.tensor([0.5, 0.5]))
+    with pytest.raises(RuntimeError, match="get_scaled_loss"):
+        opt.step(unscaled_closure)
+    assert torch.equal(w.detach(), torch.tensor([0.5, 0.5]))
+
+
+class _DictCopyingProxy:
+    """What Lightning's LightningOptimizer does: a subclass of the optimizer's class whose
+    ``__dict__`` is a shallow copy of the optimizer's, and whose ``step`` calls the optimizer's."""
+
+    def __init__(self, optimizer: LossScaleOptimizer) -> None:
+        self.__dict__ = {**optimizer.__dict__, "_wrapped": optimizer}
+        self.__class__ = type("Proxy", (_DictCopyingProxy, type(optimizer)), {})
+
+    def step(self, closure: Any = None) -> Any:
+        return self.__dict__["_wrapped"].step(closure)
+
+
+def test_a_proxy_copying_the_optimizer_dict_shares_its_marks() -> None:
+    """get_scaled_loss and unscale_() through the proxy, step() through it too: the gradients are
+    unscaled once, and a second step raises."""
+    w, opt = _gd_on_w()
+    proxy: Any = _DictCopyingProxy(opt)
+    proxy.get_scaled_loss(_slope_loss(w)).backward()
+    proxy.unscale_()
+    proxy.step()
+    assert torch.equal(w.detach(), torch.tensor([0.5, 0.5]))
+    with pytest.raises(RuntimeError, match="get_scaled_loss"):
+        proxy.step()
+
+
+def test_a_copy_does_not_step_gradients_it_did_not_see_scaled() -> None:
+    """A deep copy (or a pickle) starts with no scaled backward pass: gradients given to it
+    afterwards need one, as after zero_grad()."""
+    w, opt = _gd_on_w()
+    opt.get_scaled_loss(_slope_loss(w)).backward()
+    w_copy, opt_copy = copy.deepcopy((w, opt))
+    w_copy.grad = w.grad.clone()  # deepcopy leaves .grad behind
+    with pytest.raises(RuntimeError, match="get_scaled_loss"):
+        opt_copy.step()
+    opt.step()
+    assert torch.equal(w.detach(), torch.tensor([0.5, 0.5]))

@@ -2,14 +2,15 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Sequence
+import contextlib
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any, ClassVar
 
 import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from ..optim._base import _check_global_step, _describe
+from ..optim._base import _check_global_step, _check_grad, _describe
 from ..optim._wrapper import OptimizerWrapper
 from .loss_scale import LossScale, as_loss_scale, found_non_finite
 
@@ -49,6 +50,14 @@ class LossScaleOptimizer(OptimizerWrapper):
       their state exists (Adam's, and SGD's with momentum, after their first
       step); their step hooks then run on skipped steps too. To clip the
       gradients, call ``opt.unscale_()`` first.
+
+      ``step()`` and ``unscale_()`` raise unless a backward pass went through
+      ``get_scaled_loss``'s result since the last update (several, when
+      accumulating micro-batches): gradients of the unscaled loss (a trainer
+      calling ``loss.backward()`` itself) would be divided by the scale, and a
+      second ``step()`` on the same gradients would apply them again. The
+      result of ``get_scaled_loss`` carries a tensor hook that records the
+      backward pass; ``step()``, ``apply_gradients`` and ``zero_grad()`` clear it.
     - TF: ``compute_gradients(loss)`` returns unscaled gradients;
       ``apply_gradients(grads_and_vars, global_step)`` takes unscaled gradients,
       updates the scale and applies or skips; ``minimize`` does both.
@@ -105,7 +114,7 @@ class LossScaleOptimizer(OptimizerWrapper):
         (tensor([ 0.8000, -0.8000]), 16384.0)
     """
 
-    _pickled_attributes: ClassVar[tuple[str, ...]] = ("_optimizer", "_loss_scale", "_unscaled", "_found_inf")
+    _pickled_attributes: ClassVar[tuple[str, ...]] = ("_optimizer", "_loss_scale")
 
     def __init__(self, optimizer: torch.optim.Optimizer, loss_scale: str | float | LossScale = "dynamic"):
         wrapped: Any = optimizer
@@ -119,9 +128,12 @@ class LossScaleOptimizer(OptimizerWrapper):
         params = self._all_params()
         if params:
             self._loss_scale.to(params[0].device)
-        # Set by unscale_(): p.grad is already unscaled, and this is its non-finite flag.
-        self._unscaled = False
-        self._found_inf: Tensor | None = None
+        self._marks = _StepMarks()
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        super().__setstate__(state)
+        # A copy starts with no scaled backward pass: gradients copied along are not stepped blindly.
+        self._marks = _StepMarks()
 
     @property
     def loss_scale(self) -> LossScale:
@@ -137,10 +149,12 @@ class LossScaleOptimizer(OptimizerWrapper):
 
         A zero-argument callable gives a callable that scales its result, reading
         the scale when it is called.
+
+        A backward pass through the result (``backward()``, or ``torch.autograd.grad``)
+        is what ``step()`` and ``unscale_()`` require since the last update: the
+        result carries a tensor hook that records it.
         """
-        if callable(loss) and not isinstance(loss, Tensor):
-            return lambda: self._scaled(loss())
-        return self._scaled(loss)
+        return self._scaled_loss(loss, mark=True)
 
     def get_unscaled_gradients(self, grads: Iterable[Tensor | None]) -> list[Tensor | None]:
         """Each gradient times ``1 / scale``, out of place; None stays None, sparse stays sparse.
@@ -166,10 +180,21 @@ class LossScaleOptimizer(OptimizerWrapper):
                 unscaled.append(_times(g, inv_scale))
         return unscaled
 
-    def _scaled(self, loss: Any) -> Tensor:
+    def _scaled_loss(
+        self, loss: Tensor | Callable[[], Tensor], *, mark: bool
+    ) -> Tensor | Callable[[], Tensor]:
+        """``get_scaled_loss``; with ``mark``, a backward pass through the result is recorded."""
+        if callable(loss) and not isinstance(loss, Tensor):
+            return lambda: self._scaled(loss(), mark=mark)
+        return self._scaled(loss, mark=mark)
+
+    def _scaled(self, loss: Any, *, mark: bool) -> Tensor:
         if not isinstance(loss, Tensor):
             raise TypeError(f"loss must be a tensor or a callable returning one, got {type(loss).__name__}")
-        return loss * self._loss_scale().to(device=loss.device, dtype=loss.dtype)
+        scaled = loss * self._loss_scale().to(device=loss.device, dtype=loss.dtype)
+        if mark and scaled.requires_grad:
+            scaled.register_hook(self._marks.record_scaled_backward)
+        return scaled
 
     # ------------------------------------------------------------------ torch style
     @torch.no_grad()
@@ -181,15 +206,17 @@ class LossScaleOptimizer(OptimizerWrapper):
 
         Raises:
             RuntimeError: ``unscale_()`` was already called since the last
-                ``step()``/``zero_grad()``, or no parameter has a gradient.
+                ``step()``/``zero_grad()``, no parameter has a gradient, or no
+                backward pass went through ``get_scaled_loss`` since the last update.
         """
-        if self._unscaled:
+        marks = self._marks
+        if marks.unscaled:
             raise RuntimeError(
                 "LossScaleOptimizer.unscale_() has already been called since the last step() or "
                 "zero_grad(); the gradients are unscaled already"
             )
-        self._found_inf = self._unscale_grads()
-        self._unscaled = True
+        marks.found_inf = self._unscale_grads("unscale_")
+        marks.unscaled = True
 
     def step(self, closure: Callable[[], Any] | None = None) -> Any:
         """Unscale ``p.grad`` in place (unless ``unscale_()`` did), update the scale, apply or skip.
@@ -200,31 +227,48 @@ class LossScaleOptimizer(OptimizerWrapper):
         ``closure``, if given, must compute the loss and call
         ``opt.get_scaled_loss(loss).backward()``; its result is returned.
 
+        The gradients must come from a backward pass through
+        ``get_scaled_loss(loss)`` since the last update (several, when
+        accumulating): gradients of the unscaled loss would be divided by the
+        scale, and gradients already stepped would be applied twice.
+
+        If the wrapped optimizer's ``step`` raises, the scale and its counter
+        are restored and ``p.grad`` stays unscaled, as after ``unscale_()``:
+        calling ``step()`` again does what the failed call would have done.
+
         Raises:
-            RuntimeError: no parameter has a gradient (nothing was scaled and
-                back-propagated since the last ``zero_grad()``); raised before
-                any collective and before the scale changes.
+            RuntimeError: no parameter has a gradient, or no backward pass went
+                through ``get_scaled_loss`` since the last update (the loss was
+                not scaled, or these gradients were already stepped); raised
+                before any collective and before the scale changes.
+            ValueError, TypeError: a ``p.grad`` does not fit its parameter
+                (shape, dtype, device, sparse layout); raised before anything changes.
         """
         loss = None
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        marks = self._marks
         with torch.no_grad():
-            found_inf = self._found_inf if self._unscaled else self._unscale_grads()
-            self._unscaled, self._found_inf = False, None
-            if found_inf is not None and _skips_on_device(self._optimizer):
-                self._advance(found_inf)
-                self._step_skipping_on_device(found_inf)
-            elif self._should_apply(found_inf):
-                self._optimizer.step()
+            if not marks.unscaled:
+                marks.found_inf = self._unscale_grads("step")
+                marks.unscaled = True
+            found_inf = marks.found_inf
+            with self._scale_restored_on_error():
+                if found_inf is not None and _skips_on_device(self._optimizer):
+                    self._advance(found_inf)
+                    self._step_skipping_on_device(found_inf)
+                elif self._should_apply(found_inf):
+                    self._optimizer.step()
+            marks.updated()
         return loss
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """The wrapped optimizer's ``zero_grad``; also forgets an ``unscale_()`` not yet stepped."""
         super().zero_grad(set_to_none=set_to_none)
-        self._unscaled, self._found_inf = False, None
+        self._marks.clear()
 
-    def _unscale_grads(self) -> Tensor | None:
+    def _unscale_grads(self, caller: str) -> Tensor | None:
         """Multiply every ``p.grad`` by ``1/scale`` in place; return the non-finite flag.
 
         The flag is None when the loss scale does not look at gradients (a
@@ -236,8 +280,11 @@ class LossScaleOptimizer(OptimizerWrapper):
                 "LossScaleOptimizer: no parameter has a gradient; call "
                 "opt.get_scaled_loss(loss).backward() before step() or unscale_()"
             )
+        self._marks.check_scaled_backward(caller)
         for i, p in enumerate(self._all_params()):
             g = p.grad
+            if g is not None:
+                _check_grad(type(self).__name__, g, p)
             # An expanded view (stride 0) shares one element between many: it cannot be unscaled in place.
             if (
                 g is not None
@@ -284,9 +331,12 @@ class LossScaleOptimizer(OptimizerWrapper):
         colocate_gradients_with_ops: bool = False,
         grad_loss: Tensor | None = None,
     ) -> list[tuple[Tensor | None, Tensor]]:
-        """The wrapped optimizer's ``compute_gradients`` of the scaled loss, then unscaled (TF)."""
+        """The wrapped optimizer's ``compute_gradients`` of the scaled loss, then unscaled (TF).
+
+        Its backward pass does not count for ``step()``: it leaves ``p.grad`` alone.
+        """
         grads_and_vars = super().compute_gradients(
-            self.get_scaled_loss(loss),
+            self._scaled_loss(loss, mark=False),
             var_list=var_list,
             gate_gradients=gate_gradients,
             aggregation_method=aggregation_method,
@@ -305,8 +355,9 @@ class LossScaleOptimizer(OptimizerWrapper):
         """Update the scale on the (already unscaled) gradients; apply them unless one is non-finite.
 
         On a skipped step nothing of the wrapped optimizer changes and
-        ``global_step`` is not incremented (TF v1). The arguments are checked
-        before the scale changes.
+        ``global_step`` is not incremented (TF v1). Every pair is checked
+        (variable, gradient shape, dtype, device) before the scale changes; if
+        the wrapped optimizer raises, the scale and its counter are restored.
         """
         pairs = list(grads_and_vars)
         self._check_pairs(pairs, global_step)
@@ -314,27 +365,39 @@ class LossScaleOptimizer(OptimizerWrapper):
         found_inf = (
             found_non_finite(grads, self._loss_scale.device) if self._loss_scale.checks_gradients else None
         )
-        if self._should_apply(found_inf):
-            self._apply_inner(pairs, global_step=global_step, name=name)
+        with self._scale_restored_on_error():
+            if self._should_apply(found_inf):
+                self._apply_inner(pairs, global_step=global_step, name=name)
+        # Gradients of a scaled backward pass, unscaled and passed here, are used up: step() on
+        # the same p.grad would apply them again.
+        self._marks.updated()
 
     def _check_pairs(self, pairs: list[Any], global_step: Any) -> None:
+        """Every pair, before anything changes: the shared checks, including each gradient's
+        shape and dtype (a misshapen gradient holding an inf must raise, not skip the step)."""
         if not pairs:
             raise ValueError("No variables provided.")
-        managed = {id(p) for p in self._all_params()}
-        for item in pairs:
-            if not (isinstance(item, (tuple, list)) and len(item) == 2):
-                raise TypeError(f"grads_and_vars must hold (gradient, variable) pairs, got {item!r}")
-            g, v = item
-            if g is not None and not isinstance(g, Tensor):
-                raise TypeError(
-                    f"Gradient must be a Tensor or None, got {type(g).__name__} for {_describe(v)}"
-                )
-            if id(v) not in managed:
-                raise ValueError(f"{type(self._optimizer).__name__} does not manage variable {_describe(v)}")
+        self._grads_by_param(pairs)
         if all(g is None for g, _ in pairs):
             raise ValueError(f"No gradients provided for any variable: {[_describe(v) for _, v in pairs]}.")
         if global_step is not None:
             _check_global_step(global_step)
+
+    @contextlib.contextmanager
+    def _scale_restored_on_error(self) -> Iterator[None]:
+        """Put the loss scale's state back if the block raises (e.g. the wrapped optimizer's step).
+
+        A copy of the state tensors (the scale and the counter: two scalars, on
+        device, no synchronisation) is taken before the block.
+        """
+        variables = self._loss_scale.variables()
+        saved = [v.clone() for v in variables]
+        try:
+            yield
+        except BaseException:
+            for v, before in zip(variables, saved, strict=True):
+                v.copy_(before)
+            raise
 
     # ------------------------------------------------------------------ the decision
     def _should_apply(self, found_inf: Tensor | None) -> bool:
@@ -410,6 +473,61 @@ class LossScaleOptimizer(OptimizerWrapper):
         except Exception:
             self._loss_scale.load_state_dict(previous)
             raise
+
+
+class _StepMarks:
+    """What has happened to ``p.grad`` since the last update, for ``step()`` to check.
+
+    One object, held by reference: a proxy that copies the optimizer's
+    ``__dict__`` (Lightning's ``LightningOptimizer``) reads and changes the same
+    marks as the optimizer itself, so ``unscale_()`` through the proxy and
+    ``step()`` through the optimizer agree.
+    """
+
+    __slots__ = ("found_inf", "scaled_backward", "stepped", "unscaled")
+
+    def __init__(self) -> None:
+        self.clear()
+
+    def clear(self) -> None:
+        """No gradients yet (construction, ``zero_grad()``)."""
+        self.scaled_backward = False  # a backward pass went through get_scaled_loss's result
+        self.stepped = False  # an update used the gradients since the last zero_grad()
+        self.unscaled = False  # unscale_() (or a step() that raised) divided p.grad by the scale
+        self.found_inf: Tensor | None = None  # then: its non-finite flag
+
+    def updated(self) -> None:
+        """An update used the gradients: the next one needs a new scaled backward pass."""
+        self.clear()
+        self.stepped = True
+
+    def record_scaled_backward(self, grad: Tensor) -> None:
+        """The tensor hook on ``get_scaled_loss``'s result: a backward pass went through it."""
+        self.scaled_backward = True
+
+    def check_scaled_backward(self, caller: str) -> None:
+        """Refuse to unscale gradients that no backward pass through ``get_scaled_loss`` produced."""
+        if self.scaled_backward:
+            return
+        if self.stepped:
+            why = (
+                "since the last step() (or apply_gradients()): a second step() would apply the same "
+                "gradients again, and gradients of loss.backward() on the unscaled loss would be "
+                "divided by the scale"
+            )
+        else:
+            why = (
+                "since zero_grad() (or since the optimizer was made): p.grad is not scaled (was "
+                "loss.backward() called on the unscaled loss, e.g. by a trainer?), and unscaling it "
+                "would divide the update by the scale"
+            )
+        raise RuntimeError(
+            f"LossScaleOptimizer.{caller}(): no backward pass went through opt.get_scaled_loss(loss) "
+            f"{why}. Call opt.zero_grad(), then opt.get_scaled_loss(loss).backward() (once per "
+            "micro-batch when accumulating), then step(); or pass unscaled gradients to "
+            "apply_gradients() (see opt.get_unscaled_gradients). A trainer that calls "
+            "loss.backward() itself must scale the loss first: see the README's recipes."
+        )
 
 
 # torch optimizers whose fused kernels skip the whole update on device when handed
