@@ -1,4 +1,4 @@
-"""The README's recipes for trainers that call ``loss.backward()`` themselves, run for real.
+"""The README's recipes for trainers that call ``loss.backward()`` themselves: its own code, run for real.
 
 PyTorch Lightning (a precision plugin for automatic optimization; manual
 optimization) and Hugging Face's ``Trainer`` (a subclass), each against the same
@@ -17,6 +17,7 @@ from typing import Any
 import pytest
 import torch
 import torch.nn.functional as F
+from _readme import run_block
 from torch import Tensor, nn
 
 import torchgrad_compat.optim as tgo
@@ -25,6 +26,7 @@ from torchgrad_compat.amp import DynamicLossScale, LossScaleOptimizer
 BATCHES = 8
 POISONED = 4  # the loss of this micro-batch is times inf: its optimizer step is skipped
 CLIP = 0.05
+MANUAL_CLIP = 1.0  # the README's manual optimization recipe clips to this norm
 
 
 def _model() -> nn.Module:
@@ -86,32 +88,22 @@ def _lightning() -> Any:
     return pytest.importorskip("lightning.pytorch", reason="lightning is not installed")
 
 
-def _loss_scale_precision(L: Any, autocast: bool) -> Any:
+def _loss_scale_precision(autocast: bool) -> Any:
     """The README's precision plugin (Lightning's own AMP plugin does the same around GradScaler),
-    with autocast to bfloat16 here, on the CPU (README: float16 on CUDA)."""
+    autocasting to bfloat16 on the CPU here (the README's autocasts to float16 on CUDA)."""
+    readme = run_block("class LossScalePrecision", torch=torch)
 
-    class LossScalePrecision(L.plugins.Precision):
+    class OnTheCPU(readme["LossScalePrecision"]):
         def forward_context(self):
             return _autocast(autocast)
 
-        def backward(self, tensor, model, optimizer, *args, **kwargs):
-            if optimizer is not None:  # automatic optimization; under manual_backward, scale it yourself
-                tensor = optimizer.get_scaled_loss(tensor)
-            super().backward(tensor, model, optimizer, *args, **kwargs)
-
-        def optimizer_step(self, optimizer, model, closure, **kwargs):
-            closure_result = closure()  # training_step, then the scaled backward pass
-            if closure_result is None and model.automatic_optimization:
-                return None  # training_step returned None: nothing to apply
-            optimizer.unscale_()  # on_before_optimizer_step and gradient clipping see true gradients
-            self._after_closure(model, optimizer)
-            optimizer.step(**kwargs)
-            return closure_result
-
-    return LossScalePrecision()
+    return OnTheCPU()
 
 
 def _lightning_module(L: Any, manual: bool, scales: list[float]) -> Any:
+    # The README's manual optimization recipe is this module's training_step.
+    readme_training_step = run_block("self.manual_backward")["training_step"]
+
     class Regressor(L.LightningModule):
         def __init__(self) -> None:
             super().__init__()
@@ -122,15 +114,13 @@ def _lightning_module(L: Any, manual: bool, scales: list[float]) -> Any:
             return _optimizer(self.net)
 
         def training_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> Tensor:
-            loss = _loss(self.net, *batch, batch_idx)
-            if manual:  # the README's manual optimization recipe
-                opt = self.optimizers()
-                opt.zero_grad()
-                self.manual_backward(opt.get_scaled_loss(loss))
-                opt.unscale_()
-                self.clip_gradients(opt, gradient_clip_val=CLIP, gradient_clip_algorithm="norm")
-                opt.step()
-            return loss
+            self.batch_idx = batch_idx
+            if manual:
+                return readme_training_step(self, batch, batch_idx)
+            return self.loss(batch)
+
+        def loss(self, batch: tuple[Tensor, Tensor]) -> Tensor:
+            return _loss(self.net, *batch, self.batch_idx)
 
         def on_train_batch_end(self, outputs: Any, batch: Any, batch_idx: int) -> None:
             if manual or (batch_idx + 1) % self.trainer.accumulate_grad_batches == 0:
@@ -163,7 +153,7 @@ def test_lightning_automatic_optimization_with_the_precision_plugin(accumulate: 
     _fit(
         L,
         module,
-        plugins=[_loss_scale_precision(L, autocast)],
+        plugins=[_loss_scale_precision(autocast)],
         accumulate_grad_batches=accumulate,
         gradient_clip_val=CLIP,
     )
@@ -176,7 +166,7 @@ def test_lightning_manual_optimization() -> None:
     scales: list[float] = []
     module = _lightning_module(L, manual=True, scales=scales)
     _fit(L, module)
-    _assert_same_run(list(module.net.parameters()), scales, 1, CLIP)
+    _assert_same_run(list(module.net.parameters()), scales, 1, MANUAL_CLIP)
 
 
 @pytest.mark.filterwarnings("ignore::UserWarning")
@@ -188,33 +178,11 @@ def test_lightning_without_the_plugin_raises() -> None:
 
 
 # ---------------------------------------------------------------------- Hugging Face Trainer
-def _loss_scale_trainer(transformers: Any) -> type:
-    """The README's Trainer subclass."""
-
-    class LossScaleTrainer(transformers.Trainer):
-        @property
-        def loss_scale_optimizer(self) -> LossScaleOptimizer:
-            opt = self.optimizer
-            while not isinstance(opt, LossScaleOptimizer):
-                opt = opt.optimizer  # accelerate's AcceleratedOptimizer around it
-            return opt
-
-        def compute_loss(self, model, inputs, return_outputs=False, **kwargs):
-            result = super().compute_loss(model, inputs, return_outputs=return_outputs, **kwargs)
-            loss, outputs = result if return_outputs else (result, None)
-            if loss.requires_grad:
-                # The loss's value (for the logs), the scaled loss's gradients (for step()).
-                scaled = self.loss_scale_optimizer.get_scaled_loss(loss)
-                loss = loss.detach() + (scaled - scaled.detach())
-            return (loss, outputs) if return_outputs else loss
-
-        def training_step(self, *args, **kwargs):
-            loss = super().training_step(*args, **kwargs)
-            if self.accelerator.sync_gradients:  # the last micro-batch before the optimizer step:
-                self.loss_scale_optimizer.unscale_()  # clipping and the logged grad_norm see true gradients
-            return loss
-
-    return LossScaleTrainer
+def _loss_scale_trainer(transformers: Any, tmp_path: Any) -> type:
+    """The README's Trainer subclass; its block runs as written, building a Trainer."""
+    namespace = {"torch": torch, "AdamOptimizer": tgo.AdamOptimizer, "model": _HFRegressor(), "data": []}
+    namespace["args"] = _hf_args(transformers, tmp_path, 1)
+    return run_block("class LossScaleTrainer", **namespace)["LossScaleTrainer"]
 
 
 class _HFRegressor(nn.Module):
@@ -231,12 +199,8 @@ class _HFRegressor(nn.Module):
         return {"loss": _loss(self.net, x, y, int(index))}
 
 
-def _hf_train(
-    transformers: Any, trainer_cls: type, tmp_path: Any, accumulate: int
-) -> tuple[_HFRegressor, LossScaleOptimizer]:
-    model = _HFRegressor()
-    opt = _optimizer(model.net)
-    args = transformers.TrainingArguments(
+def _hf_args(transformers: Any, tmp_path: Any, accumulate: int) -> Any:
+    return transformers.TrainingArguments(
         output_dir=str(tmp_path),
         per_device_train_batch_size=1,  # one item of the data set is one whole batch
         gradient_accumulation_steps=accumulate,
@@ -247,6 +211,14 @@ def _hf_train(
         save_strategy="no",
         logging_strategy="no",
     )
+
+
+def _hf_train(
+    transformers: Any, trainer_cls: type, tmp_path: Any, accumulate: int
+) -> tuple[_HFRegressor, LossScaleOptimizer]:
+    model = _HFRegressor()
+    opt = _optimizer(model.net)
+    args = _hf_args(transformers, tmp_path, accumulate)
     data = [
         {"x": x, "y": y, "index": torch.tensor(i)} for i, (x, y) in enumerate(map(_batch, range(BATCHES)))
     ]
@@ -264,7 +236,9 @@ def _hf_train(
 @pytest.mark.parametrize("accumulate", [1, 2])
 def test_hugging_face_trainer_subclass(tmp_path: Any, accumulate: int) -> None:
     transformers = pytest.importorskip("transformers", reason="transformers is not installed")
-    model, trained = _hf_train(transformers, _loss_scale_trainer(transformers), tmp_path, accumulate)
+    model, trained = _hf_train(
+        transformers, _loss_scale_trainer(transformers, tmp_path), tmp_path, accumulate
+    )
     # Trainer shuffles the batches: the reference takes them in the order the model saw them.
     order = model.order
     assert sorted(order) == list(range(BATCHES))

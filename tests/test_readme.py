@@ -3,35 +3,24 @@
 The blocks read as one session, in order: a block may use what an earlier one
 defined (``model``, ``AdamOptimizer``, ...). A block that starts a job from
 torchrun's environment (``init_rpc_from_env``) is a program of its own and runs
-under ``torch.distributed.run`` with three processes on 127.0.0.1.
+under ``torch.distributed.run`` with three processes on 127.0.0.1. The recipes
+for Lightning and Hugging Face's Trainer run inside those trainers, in
+tests/test_loss_scale_trainers.py.
 """
 
 from __future__ import annotations
 
 import os
-import re
 import signal
 import subprocess
 import sys
-import textwrap
-from pathlib import Path
 
 import pytest
 from _procs import free_port
+from _readme import is_trainer_recipe, python_blocks
 
-README = Path(__file__).resolve().parents[1] / "README.md"
 TORCHRUN_DEADLINE_S = 120
 SESSION_DEADLINE_S = 300
-
-
-def _blocks() -> list[tuple[int, str]]:
-    """``(line, source)`` of every fenced ``python`` block, dedented (list items indent theirs)."""
-    text = README.read_text()
-    found = []
-    for match in re.finditer(r"^( *)```python\n(.*?)^\1```$", text, flags=re.M | re.S):
-        line = text.count("\n", 0, match.start()) + 1
-        found.append((line, textwrap.dedent(match.group(2))))
-    return found
 
 
 def _is_program(source: str) -> bool:
@@ -39,14 +28,16 @@ def _is_program(source: str) -> bool:
 
 
 def test_readme_has_python_blocks():
-    blocks = _blocks()
+    blocks = python_blocks()
     assert len(blocks) >= 5, [line for line, _ in blocks]
     assert sum(_is_program(s) for _, s in blocks) == 1
+    # Lightning's plugin and manual optimization, Hugging Face's Trainer.
+    assert sum(is_trainer_recipe(s) for _, s in blocks) == 3
 
 
 def test_session_blocks_run_in_order(tmp_path):
     """One interpreter runs the blocks one after another, in one namespace, as a reader would."""
-    blocks = [(line, source) for line, source in _blocks() if not _is_program(source)]
+    blocks = [(line, s) for line, s in python_blocks() if not (_is_program(s) or is_trainer_recipe(s))]
     driver = tmp_path / "session.py"
     driver.write_text(
         "import sys\n"
@@ -69,9 +60,9 @@ def test_session_blocks_run_in_order(tmp_path):
     assert result.returncode == 0, result.stderr[-4000:]
 
 
-@pytest.mark.parametrize("line", [line for line, source in _blocks() if _is_program(source)])
+@pytest.mark.parametrize("line", [line for line, source in python_blocks() if _is_program(source)])
 def test_torchrun_block_runs_under_torchrun(tmp_path, line):
-    source = dict(_blocks())[line]
+    source = dict(python_blocks())[line]
     program = tmp_path / "readme_job.py"
     program.write_text(source)
     command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "3"]
