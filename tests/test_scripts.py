@@ -1,4 +1,4 @@
-"""Smoke test of the README's "run it" command: scripts/train.py trains and the loss falls."""
+"""The scripts users run: train.py trains (the loss falls), fault_cases.py finds every error named."""
 
 from __future__ import annotations
 
@@ -51,3 +51,14 @@ def test_train_script_on_xla_prints_the_cpu_numbers(style: str) -> None:
     on_xla = _train("--device", "xla", "--style", style, "--steps", "30", timeout=300)
     on_cpu = _train("--style", style, "--steps", "30")
     assert on_xla == on_cpu
+
+
+def test_every_hostile_case_gets_a_named_error_and_changes_nothing() -> None:
+    """scripts/fault_cases.py: bad hyperparameters, gradients, loads and loss-scaling misuse."""
+    script = TRAIN.with_name("fault_cases.py")
+    result = subprocess.run(
+        [sys.executable, str(script)], capture_output=True, text=True, timeout=300, check=False
+    )
+    assert result.returncode == 0, result.stdout[-6000:] + result.stderr[-2000:]
+    total = re.search(r"^\| all \| (\d+) \| (\d+) \|", result.stdout, re.MULTILINE)
+    assert total and int(total.group(1)) == int(total.group(2)) > 700, result.stdout
