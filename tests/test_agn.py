@@ -116,8 +116,8 @@ def test_server_optimizer_state_advances_once_per_push():
     opt = AGNOptimizer(tgo.AdamOptimizer([p], learning_rate=0.1), 1, 2, server=host.endpoint("w"))
     for _ in range(6):
         opt.apply_gradients([(torch.ones(2), p)])
-    server_power = server.optimizer.state_dict()["non_slot_state"][0]["beta1_power"]
-    local_power = opt.inner_optimizer.state_dict()["non_slot_state"][0]["beta1_power"]
+    server_power = server.optimizer.state_dict()["param_groups"][0]["beta1_power"]
+    local_power = opt.inner_optimizer.state_dict()["param_groups"][0]["beta1_power"]
     assert math.isclose(server_power.item(), 0.9**4, rel_tol=1e-6)  # 3 pushes
     assert math.isclose(local_power.item(), 0.9**7, rel_tol=1e-6)  # 6 local steps
 

@@ -84,7 +84,7 @@ def _run_trajectory(case: dict[str, Any], mode: str) -> tuple[list[dict[str, Any
         for i, p in enumerate(params):
             for name in case["slots"]:
                 record[f"slot{i}/{name}"] = opt.get_slot(p, name).clone()
-        non_slot = inner.state_dict()["non_slot_state"][0]
+        non_slot = inner.state_dict()["param_groups"][0]
         record.update({f"non_slot/{name}": non_slot[name].clone() for name in case["non_slots"]})
         record["scale"] = float(opt.loss_scale())
         if isinstance(loss_scale, DynamicLossScale):
