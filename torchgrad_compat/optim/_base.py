@@ -29,6 +29,7 @@ from __future__ import annotations
 import functools
 import math
 import struct
+import sys
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -446,6 +447,14 @@ class Optimizer(torch.optim.Optimizer):
         Parameters without a gradient are left untouched and get no slots. When
         no parameter has a gradient the call does nothing (torch's convention;
         TF's ``apply_gradients`` raises instead).
+
+        ``torch.distributed.checkpoint`` makes the state of an optimizer that has
+        none by calling ``step()`` with zero gradients and ``lr`` 0 (its
+        ``_init_optim_state``), assuming such a step changes nothing. Here it
+        would: Ftrl and AdagradDA compute the variable in closed form from the
+        accumulators (and Ftrl refuses ``lr`` 0), every optimizer-wide counter
+        would advance. That call only creates the slots, with their initial
+        values, as TF's slot creation does.
         """
         loss = None
         if closure is not None:
@@ -463,7 +472,10 @@ class Optimizer(torch.optim.Optimizer):
                 for g, p in pairs:
                     if g.is_sparse:
                         _check_grad(type(self).__name__, g, p)
-            self._apply(grouped)
+            if _called_from_dcp_init():
+                self._create_slots(grouped)
+            else:
+                self._apply(grouped)
         return loss
 
     # ------------------------------------------------------------------ TF API
@@ -660,6 +672,30 @@ class Optimizer(torch.optim.Optimizer):
                     spec.check(float(saved[spec.key]))
 
     # ------------------------------------------------------------------ the update path
+    def _create_slots(
+        self, grouped: dict[int, list[tuple[Tensor, Tensor]]], evaluated: list[dict[str, Any]] | None = None
+    ) -> None:
+        """Create the slots of parameters that have none yet, their initial values checked first.
+
+        ``evaluated`` holds each group's evaluated hyperparameters when an update
+        follows; without it only the slots' initial values are evaluated.
+        """
+        initial_values = tuple(spec for spec in self._hypers if isinstance(spec, Hyper) and spec.in_param_dtype)
+        for gi, pairs in grouped.items():
+            group = self.param_groups[gi]
+            fresh = {p.dtype for _, p in pairs if not self.state.get(p)}
+            if fresh:
+                values = evaluated[gi] if evaluated is not None else _evaluate(group, initial_values)
+                _check_slot_values(values, self._hypers, fresh)
+        for gi, pairs in grouped.items():
+            group = self.param_groups[gi]
+            for _, p in pairs:
+                if not self.state.get(p):
+                    # An optimizer without slots leaves `state` empty, as torch's SGD does.
+                    slots = self._init_slots(group, p)
+                    if slots:
+                        self.state[p] = slots
+
     def _use_foreach(self, group: dict[str, Any], params: list[Tensor]) -> bool:
         foreach = group["foreach"]
         if foreach is None:
@@ -723,18 +759,9 @@ class Optimizer(torch.optim.Optimizer):
                 (sparse if g.is_sparse else dense).setdefault(gi, []).append((g, p))
         # Every group's values are checked before any group is updated: a step is all or nothing.
         evaluated = [_evaluate(group, self._hypers) for group in self.param_groups]
-        for gi, pairs in grouped.items():
-            fresh = {p.dtype for _, p in pairs if not self.state.get(p)}
-            if fresh:
-                _check_slot_values(evaluated[gi], self._hypers, fresh)
+        self._create_slots(grouped, evaluated)
         for gi, (group, values) in enumerate(zip(self.param_groups, evaluated, strict=True)):
             non_slot = self._non_slot_of(group)
-            for _, p in dense.get(gi, []) + sparse.get(gi, []):
-                if not self.state.get(p):
-                    # An optimizer without slots leaves `state` empty, as torch's SGD does.
-                    slots = self._init_slots(group, p)
-                    if slots:
-                        self.state[p] = slots
             buckets: dict[tuple[torch.device, torch.dtype], list[tuple[Tensor, Tensor]]] = {}
             for g, p in dense.get(gi, []):
                 buckets.setdefault((p.device, p.dtype), []).append((g, p))
@@ -763,6 +790,28 @@ class Optimizer(torch.optim.Optimizer):
                     self._apply_sparse(group, ps[0], indices, gs[0], ss[0], non_slot, hyper)
             self._finish(group, non_slot, values)
             group.update(non_slot)
+
+
+def _called_from_dcp_init() -> bool:
+    """Whether ``torch.distributed.checkpoint``'s ``_init_optim_state`` is the caller (a few frames up).
+
+    A wrapper's ``step`` may sit in between. Should torch rename the function,
+    its zero-gradient step becomes an ordinary step again: Ftrl then refuses
+    its ``lr`` of 0 (loudly), and the other optimizers take the step, whose
+    state the checkpoint's then overwrites.
+    """
+    frame = sys._getframe(2)
+    for _ in range(8):
+        if frame is None:
+            return False
+        code = frame.f_code
+        if code.co_name == "_init_optim_state" and frame.f_globals.get("__name__") == _DCP_STATE_DICT:
+            return True
+        frame = frame.f_back
+    return False
+
+
+_DCP_STATE_DICT = "torch.distributed.checkpoint.state_dict"
 
 
 def _local_shards(

@@ -1,0 +1,264 @@
+"""Checkpoints through torch's own tools, in one process: every optimizer and wrapper resumes bitwise.
+
+A run of ``STEPS`` steps is checkpointed after ``SPLIT`` and resumed in a fresh
+model and optimizer through each tool; the resumed parameters, slots and every
+optimizer-wide value (beta powers, AdagradDA's step, the loss scale and its
+counter) must equal the uninterrupted run's bit for bit. The tools:
+
+- ``torch.save``/``torch.load(weights_only=True)`` of ``state`` and
+  ``param_groups`` only, as frameworks that rebuild the dict from torch's two keys do;
+- ``torch.distributed.checkpoint``: ``get_state_dict``/``set_state_dict`` with
+  ``dcp.save``/``dcp.load`` (nested and flattened optimizer state);
+- ``ZeroRedundancyOptimizer``: ``consolidate_state_dict`` then ``load_state_dict``,
+  in a one-rank gloo group (two ranks: tests/test_fsdp2.py).
+
+Checkpoints of this package's earlier layout (a top-level ``non_slot_state``;
+a wrapper's ``{"optimizer": ..., "loss_scale": ...}``) still load.
+"""
+
+from __future__ import annotations
+
+import copy
+import io
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from _procs import free_port
+from optim_specs import SPECS, spec_configs
+from torch import nn
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
+from torch.distributed.optim import ZeroRedundancyOptimizer
+
+import torchgrad_compat.optim as tgo
+from torchgrad_compat.amp import DynamicLossScale, LossScaleOptimizer
+from torchgrad_compat.xla import CrossShardOptimizer
+
+STEPS, SPLIT = 5, 3
+
+
+def _model(seed: int = 0) -> nn.Module:
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(4, 3), nn.Tanh(), nn.Linear(3, 2))
+
+
+def _batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    gen = torch.Generator().manual_seed(100 + step)
+    return torch.randn(8, 4, generator=gen), torch.randn(8, 2, generator=gen)
+
+
+def _loss(model: nn.Module, step: int) -> torch.Tensor:
+    x, y = _batch(step)
+    return ((model(x) - y) ** 2).mean()
+
+
+def _train(model: nn.Module, opt: Any, steps: range) -> None:
+    for step in steps:
+        opt.zero_grad()
+        loss = _loss(model, step)
+        if isinstance(opt, LossScaleOptimizer):
+            loss = opt.get_scaled_loss(loss)
+        loss.backward()
+        opt.step()
+
+
+# ---------------------------------------------------------------- what is trained
+def _core(spec, cid, foreach=False):
+    return lambda params: spec.make(params, cid, foreach=foreach)
+
+
+def _lso_adam(params):
+    # increment_period=2: the scale grows during the run, so a lost counter shows.
+    return LossScaleOptimizer(
+        tgo.AdamOptimizer(params, learning_rate=0.01), DynamicLossScale(initial_loss_scale=8, increment_period=2)
+    )
+
+
+def _lso_torch_adam(params):
+    return LossScaleOptimizer(torch.optim.Adam(params, lr=0.01), DynamicLossScale(increment_period=2))
+
+
+def _cross_shard_adam(params):
+    return CrossShardOptimizer(tgo.AdamOptimizer(params, learning_rate=0.01))
+
+
+def _lso_cross_shard_adagrad_da(params):
+    return LossScaleOptimizer(
+        CrossShardOptimizer(tgo.AdagradDAOptimizer(params, learning_rate=0.1)),
+        DynamicLossScale(increment_period=3),
+    )
+
+
+CORE = [pytest.param(_core(spec, cid), id=f"{spec.name.removesuffix('Optimizer')}-{cid}") for spec, cid in spec_configs()]
+CORE_FOREACH = [
+    pytest.param(_core(spec, next(iter(spec.configs)), True), id=f"{spec.name.removesuffix('Optimizer')}-foreach")
+    for spec in SPECS
+]
+WRAPPERS = [
+    pytest.param(_lso_adam, id="LossScale-Adam"),
+    pytest.param(_lso_torch_adam, id="LossScale-torchAdam"),
+    pytest.param(_cross_shard_adam, id="CrossShard-Adam"),
+    pytest.param(_lso_cross_shard_adagrad_da, id="LossScale-CrossShard-AdagradDA"),
+]
+ALL = CORE + CORE_FOREACH + WRAPPERS
+
+
+def _snapshot(model: nn.Module, opt: Any) -> list[tuple[str, torch.Tensor]]:
+    """Parameters, then every optimizer state tensor, by name: what must match bitwise."""
+    out = [(name, p.detach().clone()) for name, p in model.named_parameters()]
+    variables = opt.variables() if hasattr(opt, "variables") else []
+    out.extend((f"variable{i}", v.detach().clone()) for i, v in enumerate(variables))
+    if isinstance(opt, LossScaleOptimizer):
+        out.append(("loss_scale", opt.loss_scale()))
+    return out
+
+
+def _assert_bitwise(a: list[tuple[str, torch.Tensor]], b: list[tuple[str, torch.Tensor]]) -> None:
+    assert [name for name, _ in a] == [name for name, _ in b]
+    for (name, x), (_, y) in zip(a, b, strict=True):
+        assert x.dtype == y.dtype and x.shape == y.shape, name
+        assert torch.equal(x, y), f"{name} differs after resuming: {x} vs {y}"
+
+
+def _reference(make: Callable) -> list[tuple[str, torch.Tensor]]:
+    model = _model()
+    opt = make(list(model.parameters()))
+    _train(model, opt, range(STEPS))
+    return _snapshot(model, opt)
+
+
+def _resume(make: Callable, checkpoint: Callable, restore: Callable) -> list[tuple[str, torch.Tensor]]:
+    """Train SPLIT steps, ``checkpoint(model, opt)``; a fresh pair, ``restore(model, opt, saved)``; finish."""
+    model = _model()
+    opt = make(list(model.parameters()))
+    _train(model, opt, range(SPLIT))
+    saved = checkpoint(model, opt)
+    # Training on after the checkpoint must not reach into it.
+    _train(model, opt, range(SPLIT, STEPS))
+    fresh_model = _model(seed=1)
+    fresh = make(list(fresh_model.parameters()))
+    restore(fresh_model, fresh, saved)
+    _train(fresh_model, fresh, range(SPLIT, STEPS))
+    return _snapshot(fresh_model, fresh)
+
+
+# ---------------------------------------------------------------- torch.save, two keys
+def _save_two_keys(model, opt):
+    sd = opt.state_dict()
+    buffer = io.BytesIO()
+    torch.save({"model": model.state_dict(), "optim": {"state": sd["state"], "param_groups": sd["param_groups"]}}, buffer)
+    return buffer.getvalue()
+
+
+def _load_weights_only(model, opt, saved):
+    loaded = torch.load(io.BytesIO(saved), weights_only=True)
+    model.load_state_dict(loaded["model"])
+    opt.load_state_dict(loaded["optim"])
+
+
+@pytest.mark.parametrize("make", ALL)
+def test_state_dict_has_torch_keys_and_resumes_through_torch_save(make):
+    model = _model()
+    opt = make(list(model.parameters()))
+    _train(model, opt, range(1))
+    assert set(opt.state_dict()) == {"state", "param_groups"}
+    _assert_bitwise(_resume(make, _save_two_keys, _load_weights_only), _reference(make))
+
+
+# ---------------------------------------------------------------- DCP, one process
+def _dcp_checkpoint(options: StateDictOptions | None, tmp_path):
+    def checkpoint(model, opt):
+        model_sd, optim_sd = get_state_dict(model, opt, options=options)
+        path = tmp_path / "ckpt"
+        dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=path)
+        return path
+
+    def restore(model, opt, path):
+        model_sd, optim_sd = get_state_dict(model, opt, options=options)
+        state = {"model": model_sd, "optim": optim_sd}
+        dcp.load(state, checkpoint_id=path)
+        set_state_dict(
+            model, opt, model_state_dict=state["model"], optim_state_dict=state["optim"], options=options
+        )
+
+    return checkpoint, restore
+
+
+@pytest.mark.parametrize("make", ALL)
+def test_dcp_resume_is_bitwise(make, tmp_path):
+    checkpoint, restore = _dcp_checkpoint(None, tmp_path)
+    _assert_bitwise(_resume(make, checkpoint, restore), _reference(make))
+
+
+@pytest.mark.parametrize("make", CORE_FOREACH + WRAPPERS)
+def test_dcp_flattened_optimizer_state_resume_is_bitwise(make, tmp_path):
+    checkpoint, restore = _dcp_checkpoint(StateDictOptions(flatten_optimizer_state_dict=True), tmp_path)
+    _assert_bitwise(_resume(make, checkpoint, restore), _reference(make))
+
+
+# ---------------------------------------------------------------- ZeroRedundancyOptimizer, one rank
+@pytest.fixture(scope="module")
+def one_rank_group():
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
+    yield
+    dist.destroy_process_group()
+
+
+def _zero(spec, cid):
+    def make(params):
+        return ZeroRedundancyOptimizer(params, optimizer_class=spec.cls, **spec.configs[cid])
+
+    return make
+
+
+def _lso_zero_adam(params):
+    zero = ZeroRedundancyOptimizer(params, optimizer_class=tgo.AdamOptimizer, learning_rate=0.01)
+    return LossScaleOptimizer(zero, DynamicLossScale(initial_loss_scale=8, increment_period=2))
+
+
+ZERO = [pytest.param(_zero(spec, cid), id=f"{spec.name.removesuffix('Optimizer')}-{cid}") for spec, cid in spec_configs()]
+ZERO.append(pytest.param(_lso_zero_adam, id="LossScale-ZeRO-Adam"))
+
+
+def _zero_inner(opt):
+    return opt.inner_optimizer if isinstance(opt, LossScaleOptimizer) else opt
+
+
+def _zero_snapshot(model, opt):
+    local = _zero_inner(opt).optim
+    out = [(name, p.detach().clone()) for name, p in model.named_parameters()]
+    out.extend((f"variable{i}", v.detach().clone()) for i, v in enumerate(local.variables()))
+    if isinstance(opt, LossScaleOptimizer):
+        out.extend(("loss_scale", v.clone()) for v in opt.loss_scale.variables())
+    return out
+
+
+def _zero_checkpoint(model, opt):
+    _zero_inner(opt).consolidate_state_dict(to=0)
+    return copy.deepcopy((model.state_dict(), opt.state_dict()))
+
+
+def _zero_restore(model, opt, saved):
+    model.load_state_dict(saved[0])
+    opt.load_state_dict(saved[1])
+
+
+@pytest.mark.parametrize("make", ZERO)
+def test_zero_redundancy_optimizer_resume_is_bitwise(make, one_rank_group):
+    model = _model()
+    opt = make(list(model.parameters()))
+    _train(model, opt, range(STEPS))
+    expected = _zero_snapshot(model, opt)
+
+    model = _model()
+    opt = make(list(model.parameters()))
+    _train(model, opt, range(SPLIT))
+    saved = _zero_checkpoint(model, opt)
+    fresh_model = _model(seed=1)
+    fresh = make(list(fresh_model.parameters()))
+    _zero_restore(fresh_model, fresh, saved)
+    _train(fresh_model, fresh, range(SPLIT, STEPS))
+    _assert_bitwise(_zero_snapshot(fresh_model, fresh), expected)
