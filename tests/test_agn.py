@@ -10,6 +10,7 @@ killed.
 
 from __future__ import annotations
 
+import copy
 import math
 import multiprocessing
 import os
@@ -178,10 +179,20 @@ def test_state_dict_round_trip_mid_period():
     state = opt.state_dict()
     q = torch.zeros(2)
     other = AGNOptimizer(tgo.AdamOptimizer([q], 0.1), 1, 4, server=host.endpoint("w2"))
+    assert set(state) == {"state", "param_groups"}
     other.load_state_dict(state)
     assert (
         other.local_step == 1 and torch.equal(other._accumulators[0], torch.ones(2)) and other._pending == {0}
     )
+    # The earlier layout, built literally, loads the same.
+    old = _old_layout({})(copy.deepcopy(state))
+    r = torch.zeros(2)
+    third = AGNOptimizer(tgo.AdamOptimizer([r], 0.1), 1, 4, server=host.endpoint("w3"))
+    third.load_state_dict(old)
+    assert (
+        third.local_step == 1 and torch.equal(third._accumulators[0], torch.ones(2)) and third._pending == {0}
+    )
+    _assert_same_state(third.inner_optimizer.state_dict(), other.inner_optimizer.state_dict())
 
 
 # ---------------------------------------------------------------------- the server's contract
@@ -988,16 +999,69 @@ def test_a_restarted_worker_takes_its_name_back_once_the_server_finds_the_old_pr
         old.apply_gradients([(torch.ones(1), p)])
 
 
+def _assert_same_state(a, b):
+    assert a["state"].keys() == b["state"].keys()
+    for key in a["state"]:
+        assert all(torch.equal(a["state"][key][k], b["state"][key][k]) for k in b["state"][key])
+    for x, y in zip(a["param_groups"], b["param_groups"], strict=True):
+        assert x.keys() == y.keys()
+        assert all(torch.equal(x[k], y[k]) if isinstance(x[k], torch.Tensor) else x[k] == y[k] for k in x)
+
+
+def _set_param_state(key, value):
+    def change(state):
+        state["state"][0][key] = value
+        return state
+
+    return change
+
+
+def _drop_param_state(key):
+    def change(state):
+        del state["state"][0][key]
+        return state
+
+    return change
+
+
+def _set_group(key, value):
+    def change(state):
+        state["param_groups"][0][key] = value
+        return state
+
+    return change
+
+
+def _old_layout(agn_change):
+    """The earlier layout, ``{"optimizer": ..., "agn": {...}}``, built literally, with ``agn_change``."""
+
+    def change(state):
+        accumulator = state["state"][0]["agn_accumulator"]
+        inner = {
+            "state": {0: {k: v for k, v in state["state"][0].items() if not k.startswith("agn_")}},
+            "param_groups": [{k: v for k, v in state["param_groups"][0].items() if not k.startswith("agn_")}],
+        }
+        agn = {"local_step": 1, "global_step": 0, "accumulators": [accumulator], "pending": [0]}
+        return {"optimizer": inner, "agn": {**agn, **agn_change}}
+
+    return change
+
+
 @pytest.mark.parametrize(
     ("change", "match"),
     [
-        ({"accumulators": [torch.ones(3)]}, r"accumulator 0 must be a floating tensor of shape \(2,\)"),
-        ({"accumulators": []}, "list of 1 tensors"),
-        ({"accumulators": [torch.tensor([1.0, math.nan])]}, "Invalid accumulator 0 value"),
-        ({"local_step": -1}, "Invalid local_step value: -1"),
-        ({"pending": [5]}, r"Invalid pending value: \[5\]"),
+        (
+            _set_param_state("agn_accumulator", torch.ones(3)),
+            r"accumulator 0 must be a floating tensor of shape \(2,\)",
+        ),
+        (_drop_param_state("agn_accumulator"), r"accumulator 0 must be a floating tensor of shape \(2,\)"),
+        (_set_param_state("agn_accumulator", torch.tensor([1.0, math.nan])), "Invalid accumulator 0 value"),
+        (_set_group("agn_local_step", -1), "Invalid local_step value: -1"),
+        (_old_layout({"accumulators": []}), "list of 1 tensors"),
+        (_old_layout({"pending": [5]}), r"Invalid pending value: \[5\]"),
+        (_old_layout({"local_step": -1}), "Invalid local_step value: -1"),
     ],
-    ids=["shape", "count", "nan", "local_step", "pending"],
+    ids=["shape", "missing", "nan", "local_step", "old-count", "old-pending", "old-local_step"],
 )
 def test_load_state_dict_checks_the_worker_state_before_loading_anything(change, match):
     _, host = _local([torch.zeros(2)], _gd, 1)
@@ -1008,7 +1072,7 @@ def test_load_state_dict_checks_the_worker_state_before_loading_anything(change,
     q = torch.zeros(2)
     other = AGNOptimizer(tgo.AdamOptimizer([q], 0.5), 1, 4, server=host.endpoint("w2"))
     with pytest.raises(ValueError, match=match):
-        other.load_state_dict({**state, "agn": {**state["agn"], **change}})
+        other.load_state_dict(change(copy.deepcopy(state)))
     # Neither the wrapped optimizer nor the worker state was loaded half-way.
     assert not other.inner_optimizer.state and other.param_groups[0]["lr"] == 0.5
     assert (

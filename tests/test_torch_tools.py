@@ -73,7 +73,8 @@ def _core(spec, cid, foreach=False):
 def _lso_adam(params):
     # increment_period=2: the scale grows during the run, so a lost counter shows.
     return LossScaleOptimizer(
-        tgo.AdamOptimizer(params, learning_rate=0.01), DynamicLossScale(initial_loss_scale=8, increment_period=2)
+        tgo.AdamOptimizer(params, learning_rate=0.01),
+        DynamicLossScale(initial_loss_scale=8, increment_period=2),
     )
 
 
@@ -92,9 +93,14 @@ def _lso_cross_shard_adagrad_da(params):
     )
 
 
-CORE = [pytest.param(_core(spec, cid), id=f"{spec.name.removesuffix('Optimizer')}-{cid}") for spec, cid in spec_configs()]
+CORE = [
+    pytest.param(_core(spec, cid), id=f"{spec.name.removesuffix('Optimizer')}-{cid}")
+    for spec, cid in spec_configs()
+]
 CORE_FOREACH = [
-    pytest.param(_core(spec, next(iter(spec.configs)), True), id=f"{spec.name.removesuffix('Optimizer')}-foreach")
+    pytest.param(
+        _core(spec, next(iter(spec.configs)), True), id=f"{spec.name.removesuffix('Optimizer')}-foreach"
+    )
     for spec in SPECS
 ]
 WRAPPERS = [
@@ -149,7 +155,10 @@ def _resume(make: Callable, checkpoint: Callable, restore: Callable) -> list[tup
 def _save_two_keys(model, opt):
     sd = opt.state_dict()
     buffer = io.BytesIO()
-    torch.save({"model": model.state_dict(), "optim": {"state": sd["state"], "param_groups": sd["param_groups"]}}, buffer)
+    torch.save(
+        {"model": model.state_dict(), "optim": {"state": sd["state"], "param_groups": sd["param_groups"]}},
+        buffer,
+    )
     return buffer.getvalue()
 
 
@@ -219,7 +228,10 @@ def _lso_zero_adam(params):
     return LossScaleOptimizer(zero, DynamicLossScale(initial_loss_scale=8, increment_period=2))
 
 
-ZERO = [pytest.param(_zero(spec, cid), id=f"{spec.name.removesuffix('Optimizer')}-{cid}") for spec, cid in spec_configs()]
+ZERO = [
+    pytest.param(_zero(spec, cid), id=f"{spec.name.removesuffix('Optimizer')}-{cid}")
+    for spec, cid in spec_configs()
+]
 ZERO.append(pytest.param(_lso_zero_adam, id="LossScale-ZeRO-Adam"))
 
 
@@ -262,3 +274,109 @@ def test_zero_redundancy_optimizer_resume_is_bitwise(make, one_rank_group):
     _zero_restore(fresh_model, fresh, saved)
     _train(fresh_model, fresh, range(SPLIT, STEPS))
     _assert_bitwise(_zero_snapshot(fresh_model, fresh), expected)
+
+
+# ---------------------------------------------------------------- the earlier layout
+def _old_adam_state_dict(model: nn.Module, opt: tgo.AdamOptimizer) -> dict[str, Any]:
+    """Adam's state dict as this package wrote it before: beta powers under a top-level "non_slot_state"."""
+    params = list(model.parameters())
+    group = opt.param_groups[0]
+    return {
+        "state": {
+            i: {"m": opt.get_slot(p, "m").clone(), "v": opt.get_slot(p, "v").clone()}
+            for i, p in enumerate(params)
+        },
+        "param_groups": [
+            {
+                "lr": 0.01,
+                "beta1": 0.9,
+                "beta2": 0.999,
+                "betas": (0.9, 0.999),
+                "epsilon": 1e-08,
+                "foreach": None,
+                "params": list(range(len(params))),
+            }
+        ],
+        "non_slot_state": [
+            {"beta1_power": group["beta1_power"].clone(), "beta2_power": group["beta2_power"].clone()}
+        ],
+    }
+
+
+def _adam(params):
+    return tgo.AdamOptimizer(params, learning_rate=0.01)
+
+
+def _old_lso_state_dict(model: nn.Module, opt: LossScaleOptimizer) -> dict[str, Any]:
+    return {
+        "optimizer": _old_adam_state_dict(model, opt.inner_optimizer),
+        "loss_scale": {
+            "class": "DynamicLossScale",
+            "initial_loss_scale": 8,
+            "increment_period": 2,
+            "multiplier": 2.0,
+            "current_loss_scale": opt.loss_scale(),
+            "good_steps": opt.loss_scale.good_steps,
+        },
+    }
+
+
+def _old_adagrad_da_state_dict(model: nn.Module, opt: tgo.AdagradDAOptimizer) -> dict[str, Any]:
+    params = list(model.parameters())
+    slots = ("gradient_accumulator", "gradient_squared_accumulator")
+    return {
+        "state": {i: {s: opt.get_slot(p, s).clone() for s in slots} for i, p in enumerate(params)},
+        "param_groups": [
+            {
+                "lr": 0.1,
+                "initial_gradient_squared_accumulator_value": 0.1,
+                "l1": 0.0,
+                "l2": 0.0,
+                "foreach": None,
+                "params": list(range(len(params))),
+            }
+        ],
+        "non_slot_state": [{"global_step": opt.param_groups[0]["global_step"].clone()}],
+    }
+
+
+OLD_LAYOUTS = [
+    pytest.param(_adam, _old_adam_state_dict, id="Adam"),
+    pytest.param(
+        lambda ps: tgo.AdagradDAOptimizer(ps, learning_rate=0.1), _old_adagrad_da_state_dict, id="AdagradDA"
+    ),
+    pytest.param(_lso_adam, _old_lso_state_dict, id="LossScale-Adam"),
+    pytest.param(
+        _cross_shard_adam,
+        lambda model, opt: {"optimizer": _old_adam_state_dict(model, opt.inner_optimizer)},
+        id="CrossShard-Adam",
+    ),
+]
+
+
+@pytest.mark.parametrize(("make", "old_layout"), OLD_LAYOUTS)
+def test_earlier_layout_loads_and_resumes_bitwise(make, old_layout):
+    def checkpoint(model, opt):
+        return copy.deepcopy((model.state_dict(), old_layout(model, opt)))
+
+    def restore(model, opt, saved):
+        model.load_state_dict(saved[0])
+        opt.load_state_dict(saved[1])
+        assert set(opt.state_dict()) == {"state", "param_groups"}
+
+    _assert_bitwise(_resume(make, checkpoint, restore), _reference(make))
+
+
+def test_earlier_layout_is_checked_as_the_current_one():
+    model = _model()
+    opt = _adam(list(model.parameters()))
+    _train(model, opt, range(2))
+    old = _old_adam_state_dict(model, opt)
+    old["non_slot_state"][0]["beta1_power"] = torch.tensor(1.0)  # 1 - beta1_power = 0: a division by zero
+    fresh = tgo.AdamOptimizer(list(_model().parameters()), learning_rate=0.5)
+    with pytest.raises(ValueError, match="Invalid beta1_power value"):
+        fresh.load_state_dict(old)
+    old["non_slot_state"] = [{}]
+    with pytest.raises(ValueError, match="lacks the non-slot state"):
+        fresh.load_state_dict(old)
+    assert not fresh.state and fresh.param_groups[0]["lr"] == 0.5

@@ -680,7 +680,9 @@ class Optimizer(torch.optim.Optimizer):
         ``evaluated`` holds each group's evaluated hyperparameters when an update
         follows; without it only the slots' initial values are evaluated.
         """
-        initial_values = tuple(spec for spec in self._hypers if isinstance(spec, Hyper) and spec.in_param_dtype)
+        initial_values = tuple(
+            spec for spec in self._hypers if isinstance(spec, Hyper) and spec.in_param_dtype
+        )
         for gi, pairs in grouped.items():
             group = self.param_groups[gi]
             fresh = {p.dtype for _, p in pairs if not self.state.get(p)}
@@ -845,9 +847,7 @@ def _local_shards(
             )
         local_params.append(p.to_local())
         local_grads.append(g.to_local())
-    local_slots = [
-        {k: v.to_local() if isinstance(v, DTensor) else v for k, v in s.items()} for s in slots
-    ]
+    local_slots = [{k: v.to_local() if isinstance(v, DTensor) else v for k, v in s.items()} for s in slots]
     return local_params, local_grads, local_slots
 
 
