@@ -11,6 +11,7 @@ killed.
 from __future__ import annotations
 
 import copy
+import io
 import math
 import multiprocessing
 import os
@@ -27,7 +28,9 @@ from typing import Any
 import _agn_workers as workers
 import pytest
 import torch
+import torch.distributed.checkpoint as dcp
 from _procs import free_port, run_ranks
+from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
 import torchgrad_compat.optim as tgo
 from torchgrad_compat.agn import (
@@ -1045,6 +1048,93 @@ def _old_layout(agn_change):
         return {"optimizer": inner, "agn": {**agn, **agn_change}}
 
     return change
+
+
+def _agn_model(seed: int = 0) -> torch.nn.Module:
+    torch.manual_seed(seed)
+    return torch.nn.Linear(3, 2)
+
+
+def _agn_train(model: torch.nn.Module, opt: AGNOptimizer, steps: range) -> None:
+    for step in steps:
+        gen = torch.Generator().manual_seed(50 + step)
+        x, y = torch.randn(4, 3, generator=gen), torch.randn(4, 2, generator=gen)
+        opt.zero_grad()
+        ((model(x) - y) ** 2).mean().backward()
+        opt.step()
+
+
+def _save_two_keys(model, opt, tmp_path):
+    sd = opt.state_dict()
+    buffer = io.BytesIO()
+    torch.save(
+        {"model": model.state_dict(), "state": sd["state"], "param_groups": sd["param_groups"]}, buffer
+    )
+    return buffer.getvalue()
+
+
+def _load_two_keys(model, opt, saved):
+    loaded = torch.load(io.BytesIO(saved), weights_only=True)
+    model.load_state_dict(loaded["model"])
+    opt.load_state_dict({"state": loaded["state"], "param_groups": loaded["param_groups"]})
+
+
+def _dcp_save(model, opt, tmp_path):
+    model_sd, optim_sd = get_state_dict(model, opt)
+    dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=tmp_path / "ckpt")
+    return tmp_path / "ckpt"
+
+
+def _dcp_load(model, opt, path):
+    model_sd, optim_sd = get_state_dict(model, opt)
+    state = {"model": model_sd, "optim": optim_sd}
+    dcp.load(state, checkpoint_id=path)
+    set_state_dict(model, opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
+
+
+@pytest.mark.parametrize(
+    ("save", "load"), [(_save_two_keys, _load_two_keys), (_dcp_save, _dcp_load)], ids=["torch.save", "dcp"]
+)
+def test_worker_resumes_bitwise_through_torch_tools(save, load, tmp_path):
+    """Checkpointed mid-period, a worker continues as the uninterrupted one: same pushes, same parameters."""
+    period, split, steps = 3, 4, 8
+    adam = lambda ps: tgo.AdamOptimizer(ps, learning_rate=0.1)  # noqa: E731
+
+    def worker(host, name, seed=0):
+        model = _agn_model(seed)
+        return model, AGNOptimizer(adam(list(model.parameters())), 1, period, server=host.endpoint(name))
+
+    _, host_a = _local([p.detach().clone() for p in _agn_model().parameters()], adam, 1)
+    model_a, opt_a = worker(host_a, "a")
+    _agn_train(model_a, opt_a, range(steps))
+
+    _, host_b = _local([p.detach().clone() for p in _agn_model().parameters()], adam, 1)
+    model_b, opt_b = worker(host_b, "b")
+    _agn_train(model_b, opt_b, range(split))
+    saved = save(model_b, opt_b, tmp_path)
+    model_c, opt_c = worker(host_b, "c", seed=1)
+    load(model_c, opt_c, saved)
+    assert opt_c.local_step == split and opt_c._pending
+    _agn_train(model_c, opt_c, range(split, steps))
+
+    assert opt_c.local_step == opt_a.local_step and opt_c.global_step == opt_a.global_step
+    for x, y in zip(
+        [*model_c.parameters(), *opt_c.variables(), *opt_c._accumulators],
+        [*model_a.parameters(), *opt_a.variables(), *opt_a._accumulators],
+        strict=True,
+    ):
+        assert torch.equal(x, y)
+
+
+def test_dcp_state_initialisation_is_not_a_training_step():
+    """DCP's get_state_dict steps a fresh optimizer with zero gradients: no local step, no push."""
+    adam = lambda ps: tgo.AdamOptimizer(ps, learning_rate=0.1)  # noqa: E731
+    server, host = _local([p.detach().clone() for p in _agn_model().parameters()], adam, 1)
+    model = _agn_model()
+    opt = AGNOptimizer(adam(list(model.parameters())), 1, 1, server=host.endpoint("w"))
+    get_state_dict(model, opt)
+    assert server.global_step == 0 and opt.local_step == 0 and not opt._pending
+    assert opt.get_slot(model.weight, "m") is not None  # the state DCP asked for exists
 
 
 @pytest.mark.parametrize(

@@ -10,7 +10,7 @@ from torch import Tensor
 
 from ..amp.loss_scale import found_non_finite
 from ..amp.loss_scale_optimizer import LossScaleOptimizer
-from ..optim._base import _check_global_step, _describe
+from ..optim._base import _called_from_dcp_init, _check_global_step, _describe
 from ..optim._wrapper import OptimizerWrapper
 from .transport import RpcEndpoint, ServerEndpoint
 
@@ -146,6 +146,12 @@ class AGNOptimizer(OptimizerWrapper):
             with torch.enable_grad():
                 loss = closure()
         self._check_params()
+        if _called_from_dcp_init():
+            # torch.distributed.checkpoint creating the state of a fresh optimizer with a
+            # zero-gradient step (see Optimizer.step): not a training step, so nothing is
+            # counted, accumulated or pushed to the server.
+            self._optimizer.step()
+            return loss
         if self._loss_scaled:
             # p.grad holds scaled gradients until unscale_() divides them in place; step() reuses its check.
             self._optimizer.unscale_()

@@ -797,13 +797,16 @@ class Optimizer(torch.optim.Optimizer):
 def _called_from_dcp_init() -> bool:
     """Whether ``torch.distributed.checkpoint``'s ``_init_optim_state`` is the caller (a few frames up).
 
-    A wrapper's ``step`` may sit in between. Should torch rename the function,
-    its zero-gradient step becomes an ordinary step again: Ftrl then refuses
-    its ``lr`` of 0 (loudly), and the other optimizers take the step, whose
-    state the checkpoint's then overwrites.
+    Wrappers' ``step`` and torch's step hooks may sit in between. Should torch
+    rename the function, its zero-gradient step becomes an ordinary step again:
+    Ftrl then refuses its ``lr`` of 0 (loudly), and the other optimizers take
+    the step, whose state the checkpoint's then overwrites. Under
+    ``torch.compile`` nothing is looked up (DCP does not compile its call).
     """
+    if torch.compiler.is_compiling():
+        return False
     frame = sys._getframe(2)
-    for _ in range(8):
+    for _ in range(16):
         if frame is None:
             return False
         code = frame.f_code

@@ -354,15 +354,21 @@ class OptimizerWrapper(torch.optim.Optimizer):
         extra = {k: first[k] for k in keys}
         groups = [{k: v for k, v in g.items() if k not in keys} if isinstance(g, dict) else g for g in groups]
         param_keys = self._wrapper_param_keys()
+        # Saved parameter ids are ints from state_dict(), or names from DCP's
+        # set_state_dict; either way the i-th id listed in the groups is parameter i.
+        position = {
+            pid: i
+            for i, pid in enumerate(pid for g in groups if isinstance(g, dict) for pid in g.get("params", []))
+        }
         per_param: dict[int, dict[str, Any]] = {}
         inner_state: dict[Any, Any] = {}
-        for index, values in state.items():
-            if isinstance(values, dict) and param_keys:
-                per_param[index] = {k: v for k, v in values.items() if k in param_keys}
+        for pid, values in state.items():
+            if isinstance(values, dict) and param_keys and pid in position:
+                per_param[position[pid]] = {k: v for k, v in values.items() if k in param_keys}
                 values = {k: v for k, v in values.items() if k not in param_keys}
                 if not values:
                     continue
-            inner_state[index] = values
+            inner_state[pid] = values
         return {**state_dict, "state": inner_state, "param_groups": groups}, extra, per_param
 
     def _wrapper_keys(self, saved_group: dict[str, Any]) -> set[str]:
