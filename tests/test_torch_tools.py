@@ -30,7 +30,13 @@ import torch.distributed.checkpoint as dcp
 from _procs import free_port
 from optim_specs import SPECS, spec_configs
 from torch import nn
-from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_optimizer_state_dict,
+    get_state_dict,
+    set_optimizer_state_dict,
+    set_state_dict,
+)
 from torch.distributed.optim import ZeroRedundancyOptimizer
 
 import torchgrad_compat.optim as tgo
@@ -380,3 +386,41 @@ def test_earlier_layout_is_checked_as_the_current_one():
     with pytest.raises(ValueError, match="lacks the non-slot state"):
         fresh.load_state_dict(old)
     assert not fresh.state and fresh.param_groups[0]["lr"] == 0.5
+
+
+@pytest.mark.parametrize("make", WRAPPERS)
+def test_dcp_flattened_load_into_a_wrapper_that_never_saved(make, tmp_path):
+    """set_optimizer_state_dict alone (no get_state_dict first) finds the wrapper's keys in live groups."""
+    options = StateDictOptions(flatten_optimizer_state_dict=True)
+    model = _model()
+    opt = make(list(model.parameters()))
+    _train(model, opt, range(SPLIT))
+    optim_sd = get_optimizer_state_dict(model, opt, options=options)
+    fresh_model = _model()
+    fresh = make(list(fresh_model.parameters()))
+    set_optimizer_state_dict(fresh_model, fresh, optim_sd, options=options)
+    expected, got = opt.state_dict(), fresh.state_dict()
+    assert expected["param_groups"][0].keys() == got["param_groups"][0].keys()
+    for key, value in expected["param_groups"][0].items():
+        if isinstance(value, torch.Tensor):
+            assert torch.equal(value, got["param_groups"][0][key]), key
+
+
+# ---------------------------------------------------------------- DTensor parameters, refused gradients
+def test_dtensor_gradients_must_be_laid_out_as_their_parameter(one_rank_group):
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+    mesh = init_device_mesh("cpu", (1,))
+    p = nn.Parameter(distribute_tensor(torch.ones(4, 3), mesh, [Shard(0)]))
+    opt = tgo.AdamOptimizer([p], learning_rate=0.1, foreach=True)
+    with pytest.raises(ValueError, match=r"same placements"):
+        opt.apply_gradients([(distribute_tensor(torch.ones(4, 3), mesh, [Replicate()]), p)])
+    with pytest.raises(ValueError, match=r"same placements.*a plain tensor"):
+        opt.apply_gradients([(torch.ones(4, 3), p)])
+    sparse = torch.sparse_coo_tensor(torch.tensor([[0, 2]]), torch.ones(2, 3), (4, 3))
+    with pytest.raises(ValueError, match="sparse gradients of DTensor parameters are not supported"):
+        opt.apply_gradients([(sparse, p)])
+    assert not opt.state and float(opt.param_groups[0]["beta1_power"]) == pytest.approx(0.9)  # all or nothing
+    opt.apply_gradients([(distribute_tensor(torch.ones(4, 3), mesh, [Shard(0)]), p)])
+    assert isinstance(opt.get_slot(p, "m"), type(p)) and float(opt.param_groups[0]["beta1_power"]) < 0.9

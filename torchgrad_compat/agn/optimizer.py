@@ -131,6 +131,7 @@ class AGNOptimizer(OptimizerWrapper):
             num_worker, specs, startup_timeout=startup_timeout
         )
         self._pull(center)
+        self._mirror(self._wrapper_state())
 
     def __repr__(self) -> str:
         return (

@@ -126,6 +126,7 @@ class LossScaleOptimizer(OptimizerWrapper):
         # Set by unscale_(): p.grad is already unscaled, and this is its non-finite flag.
         self._unscaled = False
         self._found_inf: Tensor | None = None
+        self._mirror(self._wrapper_state())
 
     @property
     def loss_scale(self) -> LossScale:

@@ -758,6 +758,8 @@ class Optimizer(torch.optim.Optimizer):
         sparse: dict[int, list[tuple[Tensor, Tensor]]] = {}
         for gi, pairs in grouped.items():
             for g, p in pairs:
+                if isinstance(p, DTensor) or isinstance(g, DTensor):
+                    _check_dtensor_grad(type(self).__name__, g, p)
                 (sparse if g.is_sparse else dense).setdefault(gi, []).append((g, p))
         # Every group's values are checked before any group is updated: a step is all or nothing.
         evaluated = [_evaluate(group, self._hypers) for group in self.param_groups]
@@ -773,15 +775,10 @@ class Optimizer(torch.optim.Optimizer):
                     params = [p for _, p in chunk]
                     grads = [g for g, _ in chunk]
                     slots = [self.state.get(p, {}) for p in params]
-                    params, grads, slots = _local_shards(type(self).__name__, params, grads, slots)
+                    params, grads, slots = _local_shards(params, grads, slots)
                     with _working_precision(params, grads, slots) as (ps, gs, ss):
                         self._apply_dense(group, ps, gs, ss, non_slot, hyper)
             for g, p in sparse.get(gi, []):
-                if isinstance(p, DTensor):
-                    raise ValueError(
-                        f"{type(self).__name__}: sparse gradients of DTensor parameters are not supported "
-                        f"(variable {_describe(p)}); FSDP2 and tensor parallelism produce dense gradients"
-                    )
                 if self._coalesce_sparse:
                     g = g.coalesce()
                     indices, grad_values = g.indices()[0], g.values()
@@ -819,8 +816,35 @@ def _called_from_dcp_init() -> bool:
 _DCP_STATE_DICT = "torch.distributed.checkpoint.state_dict"
 
 
+def _check_dtensor_grad(cls: str, g: Tensor, p: Tensor) -> None:
+    """A DTensor parameter's gradient must be a dense DTensor laid out as it (see ``_local_shards``)."""
+    if g.is_sparse:
+        raise ValueError(
+            f"{cls}: sparse gradients of DTensor parameters are not supported (variable {_describe(p)}); "
+            "FSDP2 and tensor parallelism produce dense gradients"
+        )
+    if (
+        not isinstance(p, DTensor)
+        or not isinstance(g, DTensor)
+        or g.placements != p.placements
+        or g.device_mesh != p.device_mesh
+    ):
+
+        def layout(t: Tensor) -> str:
+            return (
+                f"placements {t.placements} on {t.device_mesh}"
+                if isinstance(t, DTensor)
+                else "a plain tensor"
+            )
+
+        raise ValueError(
+            f"{cls}: the gradient of {_describe(p)} ({layout(p)}) must be laid out as its variable, with the "
+            f"same placements and mesh; got {layout(g)}"
+        )
+
+
 def _local_shards(
-    cls: str, params: list[Tensor], grads: list[Tensor], slots: list[dict[str, Tensor]]
+    params: list[Tensor], grads: list[Tensor], slots: list[dict[str, Tensor]]
 ) -> tuple[list[Tensor], list[Tensor], list[dict[str, Tensor]]]:
     """The local shards of DTensor parameters, gradients and slots; plain tensors as given.
 
@@ -828,7 +852,8 @@ def _local_shards(
     own shard computes exactly what the unsharded update computes for those
     elements, with no communication. That needs the gradient laid out as the
     parameter (FSDP2's reduce-scattered ``Shard(0)`` gradients are); a
-    ``Partial`` gradient (not yet reduced) or another layout is refused. The
+    ``Partial`` gradient (not yet reduced) or another layout is refused
+    before anything changes (``_check_dtensor_grad``). The
     slots were made by ``*_like(param)`` and are sharded as the parameter.
     Working on the local tensors also keeps the foreach path's scratch buffers
     (plain tensors, see ``Optimizer._scratch``) and 0-d hyperparameter tensors
@@ -836,20 +861,8 @@ def _local_shards(
     """
     if not any(isinstance(p, DTensor) for p in params):
         return params, grads, slots
-    local_params, local_grads = [], []
-    for p, g in zip(params, grads, strict=True):
-        if not isinstance(p, DTensor):
-            local_params.append(p)
-            local_grads.append(g)
-            continue
-        if not isinstance(g, DTensor) or g.placements != p.placements or g.device_mesh != p.device_mesh:
-            got = f"{g.placements} on {g.device_mesh}" if isinstance(g, DTensor) else _describe(g)
-            raise ValueError(
-                f"{cls}: the gradient of DTensor parameter {_describe(p)} (placements {p.placements} on "
-                f"{p.device_mesh}) must be a DTensor with the same placements and mesh, got {got}"
-            )
-        local_params.append(p.to_local())
-        local_grads.append(g.to_local())
+    local_params = [p.to_local() if isinstance(p, DTensor) else p for p in params]
+    local_grads = [g.to_local() if isinstance(g, DTensor) else g for g in grads]
     local_slots = [{k: v.to_local() if isinstance(v, DTensor) else v for k, v in s.items()} for s in slots]
     return local_params, local_grads, local_slots
 

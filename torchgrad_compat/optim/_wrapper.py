@@ -107,6 +107,7 @@ class OptimizerWrapper(torch.optim.Optimizer):
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         self._optimizer.add_param_group(param_group)
+        self._mirror(self._wrapper_state())
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         self._optimizer.zero_grad(set_to_none=set_to_none)
@@ -306,8 +307,10 @@ class OptimizerWrapper(torch.optim.Optimizer):
         """Copy the wrapper's group keys into the live param groups too.
 
         ``torch.distributed.checkpoint`` with ``flatten_optimizer_state_dict``
-        rebuilds the groups from the keys the live groups hold; their values
-        there are those of the last ``state_dict()`` / ``load_state_dict()``.
+        rebuilds the groups from the keys the live groups hold. The values
+        there are a snapshot, taken at construction and at every
+        ``state_dict()``, ``load_state_dict()`` and ``add_param_group()``; the
+        wrapper's own attributes (``loss_scale``, ``local_step``) are the truth.
         """
         for group in self.param_groups:
             group.update({k: _copy(v) for k, v in extra.items()})
