@@ -189,7 +189,31 @@ def check_zero_resume(rank: int, world: int, tmp: Path) -> None:
         _assert_bitwise(label, _snapshot(fresh_model, fresh), expected)
 
 
+def check_tf_style_under_fsdp2(rank: int, world: int, tmp: Path) -> None:
+    """compute_gradients cannot see FSDP2's gradients (autograd.grad): a clear error, nothing changed."""
+    model = _sharded()
+    opt = tgo.AdamOptimizer(list(model.parameters()), learning_rate=0.01)
+    before = [_full(p) for p in model.parameters()]
+    try:
+        opt.minimize(lambda: _loss(model, 0))
+    except ValueError as e:
+        assert "loss.backward()" in str(e), e
+    else:
+        raise AssertionError("minimize on FSDP2 parameters did not raise")
+    assert all(torch.equal(_full(p), b) for p, b in zip(model.parameters(), before, strict=True))
+    # apply_gradients with the gradients backward() left in p.grad is the TF-style path that works.
+    _loss(model, 0).backward()
+    opt.apply_gradients([(p.grad, p) for p in model.parameters()])
+    reference = _model()
+    ref_opt = tgo.AdamOptimizer(list(reference.parameters()), learning_rate=0.01)
+    _loss(reference, 0).backward()
+    ref_opt.apply_gradients([(p.grad, p) for p in reference.parameters()])
+    for p, r in zip(model.parameters(), reference.parameters(), strict=True):
+        torch.testing.assert_close(_full(p), r.detach(), rtol=RTOL, atol=ATOL)
+
+
 CHECKS: dict[str, Callable[[int, int, Path], None]] = {
+    "tf_style_under_fsdp2": check_tf_style_under_fsdp2,
     "fsdp2_steps_match_unsharded": check_fsdp2_steps_match_unsharded,
     "dcp_resume_under_fsdp2": check_dcp_resume_under_fsdp2,
     "zero_resume": check_zero_resume,

@@ -612,10 +612,14 @@ def test_a_checkpoint_with_flipped_bytes_is_refused(tmp_path):
             lambda s: s["optimizer"]["param_groups"][0].update(lr=float("nan")),
             r"param_groups\[0\]\['lr'\] is nan",
         ),
+        (
+            lambda s: s["optimizer"]["param_groups"][0]["beta1_power"].fill_(float("nan")),
+            r"param_groups\[0\]\['beta1_power'\] is tensor\(nan\)",
+        ),
         (lambda s: s.pop("center"), r"misses keys \['center'\]"),
         (lambda s: s.pop("global_step"), r"misses keys \['global_step'\]"),
     ],
-    ids=["nan_center", "negative_step", "nan_lr", "no_center", "no_global_step"],
+    ids=["nan_center", "negative_step", "nan_lr", "nan_beta1_power", "no_center", "no_global_step"],
 )
 def test_a_checkpoint_with_bad_values_is_refused_with_a_named_error(tmp_path, edit, match):
     from torchgrad_compat.agn.server import checkpoint_digest

@@ -3,6 +3,8 @@
 One process group runs every check of tests/_fsdp2_workers.py (each over every
 optimizer configuration); each test reads one check's verdict from both ranks.
 
+- TF-style ``minimize`` on FSDP2 parameters raises a clear error (FSDP2 gradients
+  come only through ``backward()``); ``apply_gradients`` of those gradients works;
 - every optimizer, reference and foreach paths, steps on FSDP2-sharded
   parameters (one with an empty shard on rank 1) as the unsharded run does;
 - ``get_state_dict``/``dcp.save`` then ``dcp.load``/``set_state_dict`` into a

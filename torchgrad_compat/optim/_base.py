@@ -1001,6 +1001,14 @@ def compute_gradients(
         create_graph=False,
         retain_graph=False,
     )
+    if all(g is None for g in grads) and any(isinstance(v, DTensor) for v in var_list):
+        # FSDP2 computes with all-gathered copies of its sharded parameters and hands
+        # their gradients back only through its backward hooks.
+        raise ValueError(
+            "No gradients reached the DTensor variables: parameters sharded by FSDP2 (fully_shard) get "
+            "their gradients through loss.backward(), not torch.autograd.grad; use loss.backward() "
+            "then step() (apply_gradients takes the resulting p.grad too)"
+        )
     return list(zip(grads, var_list, strict=True))
 
 
