@@ -424,3 +424,46 @@ def test_dtensor_gradients_must_be_laid_out_as_their_parameter(one_rank_group):
     assert not opt.state and float(opt.param_groups[0]["beta1_power"]) == pytest.approx(0.9)  # all or nothing
     opt.apply_gradients([(distribute_tensor(torch.ones(4, 3), mesh, [Shard(0)]), p)])
     assert isinstance(opt.get_slot(p, "m"), type(p)) and float(opt.param_groups[0]["beta1_power"]) < 0.9
+
+
+# ---------------------------------------------------------------- DCP's state-initialising step
+# Not around torch.optim.Adam: DCP's zero-gradient step advances torch's own Adam "step" (torch's behaviour).
+OWN_STATE = [*CORE, *(w for w in WRAPPERS if w.id != "LossScale-torchAdam")]
+
+
+@pytest.mark.parametrize("make", OWN_STATE)
+def test_dcp_state_initialisation_changes_no_number(make):
+    """get_state_dict on a fresh optimizer (a step-0 checkpoint) must not shift the run that follows."""
+    model = _model()
+    opt = make(list(model.parameters()))
+    if isinstance(opt, LossScaleOptimizer):
+        opt.loss_scale.load_state_dict({**opt.loss_scale.state_dict(), "increment_period": 1})
+    get_state_dict(model, opt)
+    assert all(p.grad is None for p in model.parameters())
+    _train(model, opt, range(STEPS))
+    reference_model = _model()
+    reference = make(list(reference_model.parameters()))
+    if isinstance(reference, LossScaleOptimizer):
+        reference.loss_scale.load_state_dict({**reference.loss_scale.state_dict(), "increment_period": 1})
+    _train(reference_model, reference, range(STEPS))
+    _assert_bitwise(_snapshot(model, opt), _snapshot(reference_model, reference))
+
+
+def test_an_optimizer_pickled_whole_in_the_earlier_layout_unpickles():
+    """torch.save(opt) of the earlier layout kept the beta powers in an attribute, ``_non_slot``."""
+    model = _model()
+    opt = _adam(list(model.parameters()))
+    _train(model, opt, range(SPLIT))
+    pickled = opt.__getstate__()
+    group = pickled["param_groups"][0]
+    old = {
+        "defaults": pickled["defaults"],
+        "state": pickled["state"],
+        "param_groups": [{k: v for k, v in group.items() if not k.endswith("_power")}],
+        "_non_slot": [{"beta1_power": group["beta1_power"], "beta2_power": group["beta2_power"]}],
+    }
+    revived = tgo.AdamOptimizer.__new__(tgo.AdamOptimizer)
+    revived.__setstate__(copy.deepcopy(old))
+    assert revived._non_slot_keys == ("beta1_power", "beta2_power")
+    assert len(revived.variables()) == len(opt.variables())
+    assert all(torch.equal(a, b) for a, b in zip(revived.variables(), opt.variables(), strict=True))

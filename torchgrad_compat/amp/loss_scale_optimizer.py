@@ -9,7 +9,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from ..optim._base import _check_global_step, _describe
+from ..optim._base import _called_from_dcp_init, _check_global_step, _describe
 from ..optim._wrapper import OptimizerWrapper
 from .loss_scale import LossScale, as_loss_scale, found_non_finite
 
@@ -214,6 +214,11 @@ class LossScaleOptimizer(OptimizerWrapper):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        if _called_from_dcp_init():
+            # torch.distributed.checkpoint creating a fresh optimizer's state (see
+            # Optimizer.step): not a training step, so the scale and its counter stay.
+            self._optimizer.step()
+            return loss
         with torch.no_grad():
             found_inf = self._found_inf if self._unscaled else self._unscale_grads()
             self._unscaled, self._found_inf = False, None

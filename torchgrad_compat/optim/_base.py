@@ -393,7 +393,14 @@ class Optimizer(torch.optim.Optimizer):
     def __setstate__(self, state: dict[str, Any]) -> None:
         # torch's optimizers fill flags missing from an older state_dict with their
         # defaults here (load_state_dict ends in __setstate__); so do these.
+        state = dict(state)
+        old_non_slot = state.pop("_non_slot", None)
         super().__setstate__(state)
+        if old_non_slot is not None:
+            # An optimizer pickled whole by the earlier layout: its non-slot state moves into its groups.
+            for group, non_slot in zip(self.param_groups, old_non_slot, strict=True):
+                group.update(non_slot)
+            self._non_slot_keys = tuple(old_non_slot[0]) if old_non_slot else ()
         flags = ["foreach", *(spec.key for spec in self._hypers if isinstance(spec, Flag))]
         for group in self.param_groups:
             for key in flags:
