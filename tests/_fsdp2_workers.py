@@ -30,7 +30,10 @@ import torchgrad_compat.optim as tgo
 from torchgrad_compat.amp import DynamicLossScale, LossScaleOptimizer
 
 STEPS, SPLIT = 5, 3
-# TF parity tolerance for float32 (DESIGN.md): the sharded run must stay within it.
+# TF parity tolerance for float32 (DESIGN.md), for the TF-style check. The sharded
+# steps are compared bitwise: the gradient is the unsharded one exactly and every
+# rule is elementwise, so any difference is a sharding bug (measured: 0 over all
+# 40 configurations, parameters, slots and non-slot state).
 RTOL, ATOL = 1e-5, 1e-6
 
 
@@ -104,7 +107,7 @@ def _configs(foreach_too: bool) -> list[tuple[str, Callable]]:
 
 # ---------------------------------------------------------------- checks
 def check_fsdp2_steps_match_unsharded(rank: int, world: int, tmp: Path) -> None:
-    """Every optimizer, both paths, steps on FSDP2 shards as the unsharded run does (TF's tolerance)."""
+    """Every optimizer, both paths, steps on FSDP2 shards exactly as the unsharded run does."""
     failures = []
     for label, make in _configs(foreach_too=True):
         sharded, reference = _sharded(), _model()
@@ -114,10 +117,8 @@ def check_fsdp2_steps_match_unsharded(rank: int, world: int, tmp: Path) -> None:
         for (name, got), (_, want) in zip(
             _snapshot(sharded, opt), _snapshot(reference, ref_opt), strict=True
         ):
-            try:
-                torch.testing.assert_close(got, want, rtol=RTOL, atol=ATOL)
-            except AssertionError as e:
-                failures.append(f"{label} {name}: {e}")
+            if not torch.equal(got, want):
+                failures.append(f"{label} {name}: max |diff| {(got - want).abs().max().item()}")
         # Slots are sharded as their parameter (DCP saves each rank's shard).
         for p in sharded.parameters():
             assert all(isinstance(opt.get_slot(p, name), DTensor) for name in opt.get_slot_names()), label

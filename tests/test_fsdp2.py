@@ -6,7 +6,7 @@ optimizer configuration); each test reads one check's verdict from both ranks.
 - TF-style ``minimize`` on FSDP2 parameters raises a clear error (FSDP2 gradients
   come only through ``backward()``); ``apply_gradients`` of those gradients works;
 - every optimizer, reference and foreach paths, steps on FSDP2-sharded
-  parameters (one with an empty shard on rank 1) as the unsharded run does;
+  parameters (one with an empty shard on rank 1) bit for bit as the unsharded run;
 - ``get_state_dict``/``dcp.save`` then ``dcp.load``/``set_state_dict`` into a
   fresh FSDP2 model resumes bitwise (every optimizer, and a LossScaleOptimizer);
 - ``ZeroRedundancyOptimizer`` consolidated on rank 0 and loaded on both ranks
