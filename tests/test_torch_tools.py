@@ -467,3 +467,27 @@ def test_an_optimizer_pickled_whole_in_the_earlier_layout_unpickles():
     assert revived._non_slot_keys == ("beta1_power", "beta2_power")
     assert len(revived.variables()) == len(opt.variables())
     assert all(torch.equal(a, b) for a, b in zip(revived.variables(), opt.variables(), strict=True))
+
+
+# ---------------------------------------------------------------- state written around load_state_dict
+def test_non_slot_state_written_by_a_tool_is_checked_before_the_step(one_rank_group):
+    """ZeroRedundancyOptimizer.load_state_dict copies group entries past the local optimizer's checks."""
+    model = _model()
+    opt = ZeroRedundancyOptimizer(
+        list(model.parameters()), optimizer_class=tgo.AdamOptimizer, learning_rate=0.01
+    )
+    _train(model, opt, range(2))
+    opt.consolidate_state_dict(to=0)
+    saved = copy.deepcopy(opt.state_dict())
+    saved["param_groups"][0]["beta1_power"] = torch.tensor(1.0)  # 1 - beta1_power = 0: a division by zero
+    opt.load_state_dict(saved)
+    before = [p.detach().clone() for p in model.parameters()]
+    with pytest.raises(ValueError, match="Invalid beta1_power value: 1.0"):
+        _train(model, opt, range(2, 3))
+    assert all(torch.equal(p, b) for p, b in zip(model.parameters(), before, strict=True))
+    local = opt.optim
+    local.param_groups[0]["beta1_power"] = 0.5
+    with pytest.raises(
+        TypeError, match="'beta1_power' of param group 0 must be a 0-d real tensor, got float"
+    ):
+        _train(model, local, range(2, 3))

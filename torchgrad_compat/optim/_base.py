@@ -705,6 +705,39 @@ class Optimizer(torch.optim.Optimizer):
                     if slots:
                         self.state[p] = slots
 
+    def _check_live_non_slot(self, index: int, group: dict[str, Any]) -> None:
+        """Check a group's non-slot state as the update is about to read it.
+
+        It lives in the group dict, where tools write without going through
+        ``load_state_dict`` (``ZeroRedundancyOptimizer.load_state_dict`` copies
+        the saved group entries straight into its local optimizer), and so can
+        code. As for hyperparameters (``_evaluate``), a CPU tensor is read on the
+        host (no device synchronisation) and range-checked; one on an
+        accelerator is checked for its kind only.
+        """
+        cls = type(self).__name__
+        ranges = {spec.key: spec for spec in self._non_slot_ranges}
+        for key in self._non_slot_keys:
+            value = group.get(key)
+            if (
+                not isinstance(value, Tensor)
+                or value.dim() != 0
+                or value.dtype == torch.bool
+                or value.is_complex()
+                or value.is_meta
+            ):
+                raise TypeError(
+                    f"{cls}: the non-slot state {key!r} of param group {index} must be a 0-d real tensor, "
+                    f"got {_describe(value) if key in group else 'nothing'}"
+                )
+            if value.device.type != "cpu":
+                continue
+            number = float(value)
+            if key in ranges:
+                ranges[key]._check_number(number, ())
+            elif not math.isfinite(number):
+                raise ValueError(f"Invalid {key} value: {number!r}; expected a finite number")
+
     def _use_foreach(self, group: dict[str, Any], params: list[Tensor]) -> bool:
         foreach = group["foreach"]
         if foreach is None:
@@ -770,6 +803,9 @@ class Optimizer(torch.optim.Optimizer):
                 (sparse if g.is_sparse else dense).setdefault(gi, []).append((g, p))
         # Every group's values are checked before any group is updated: a step is all or nothing.
         evaluated = [_evaluate(group, self._hypers) for group in self.param_groups]
+        if not torch.compiler.is_compiling():
+            for i, group in enumerate(self.param_groups):
+                self._check_live_non_slot(i, group)
         self._create_slots(grouped, evaluated)
         for gi, (group, values) in enumerate(zip(self.param_groups, evaluated, strict=True)):
             non_slot = self._non_slot_of(group)
