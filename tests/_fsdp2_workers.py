@@ -21,7 +21,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from optim_specs import spec_configs
 from torch import nn
-from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.distributed.tensor import DTensor
@@ -152,6 +152,30 @@ def check_dcp_resume_under_fsdp2(rank: int, world: int, tmp: Path) -> None:
         _assert_bitwise(label, _snapshot(fresh_model, fresh), expected)
 
 
+def check_full_state_dict_resume_under_fsdp2(rank: int, world: int, tmp: Path) -> None:
+    """Full (gathered, unsharded) state dicts, got and set on every rank: bitwise."""
+    save = StateDictOptions(full_state_dict=True)
+    load = StateDictOptions(full_state_dict=True)
+    configs = [
+        ("Adam", lambda ps: tgo.AdamOptimizer(ps, learning_rate=0.01)),
+        ("AdagradDA", lambda ps: tgo.AdagradDAOptimizer(ps, learning_rate=0.1)),
+        ("LossScale-Adam", _lso_adam),
+    ]
+    for label, make in configs:
+        model = _sharded()
+        opt = make(list(model.parameters()))
+        _train(model, opt, range(SPLIT))
+        model_sd, optim_sd = get_state_dict(model, opt, options=save)
+        _train(model, opt, range(SPLIT, STEPS))
+        expected = _snapshot(model, opt)
+
+        fresh_model = _sharded(seed=1)
+        fresh = make(list(fresh_model.parameters()))
+        set_state_dict(fresh_model, fresh, model_state_dict=model_sd, optim_state_dict=optim_sd, options=load)
+        _train(fresh_model, fresh, range(SPLIT, STEPS))
+        _assert_bitwise(label, _snapshot(fresh_model, fresh), expected)
+
+
 def _zero(spec, cid):
     return lambda ps: ZeroRedundancyOptimizer(ps, optimizer_class=spec.cls, **spec.configs[cid])
 
@@ -217,6 +241,7 @@ CHECKS: dict[str, Callable[[int, int, Path], None]] = {
     "tf_style_under_fsdp2": check_tf_style_under_fsdp2,
     "fsdp2_steps_match_unsharded": check_fsdp2_steps_match_unsharded,
     "dcp_resume_under_fsdp2": check_dcp_resume_under_fsdp2,
+    "full_state_dict_resume_under_fsdp2": check_full_state_dict_resume_under_fsdp2,
     "zero_resume": check_zero_resume,
 }
 

@@ -8,7 +8,8 @@ optimizer configuration); each test reads one check's verdict from both ranks.
 - every optimizer, reference and foreach paths, steps on FSDP2-sharded
   parameters (one with an empty shard on rank 1) bit for bit as the unsharded run;
 - ``get_state_dict``/``dcp.save`` then ``dcp.load``/``set_state_dict`` into a
-  fresh FSDP2 model resumes bitwise (every optimizer, and a LossScaleOptimizer);
+  fresh FSDP2 model resumes bitwise (every optimizer, and a LossScaleOptimizer), and
+  so do full (gathered) state dicts (``full_state_dict=True``);
 - ``ZeroRedundancyOptimizer`` consolidated on rank 0 and loaded on both ranks
   resumes bitwise (every optimizer, and a LossScaleOptimizer around it).
 
