@@ -368,6 +368,13 @@ class Optimizer(torch.optim.Optimizer):
         non_slot = self._init_non_slot(added, device)
         added.update(non_slot)
         self._non_slot_keys = tuple(non_slot)
+        self._mark_written(len(self.param_groups) - 1, added)
+
+    def _mark_written(self, index: int, group: dict[str, Any]) -> None:
+        """Remember the non-slot tensors this optimizer put in ``group`` (see ``_check_live_non_slot``)."""
+        written = self.__dict__.setdefault("_written_non_slot", {})
+        for key in self._non_slot_keys:
+            written[index, key] = group[key]
 
     def _non_slot_of(self, group: dict[str, Any]) -> dict[str, Tensor]:
         """The optimizer-wide state of ``group`` (the one accessor; it lives in the group dict)."""
@@ -618,9 +625,10 @@ class Optimizer(torch.optim.Optimizer):
         current = [self._non_slot_of(group) for group in self.param_groups]
         super().load_state_dict(state_dict)
         # The loaded tensors, copied, in the kind and on the device this optimizer keeps them.
-        for group, ns in zip(self.param_groups, current, strict=True):
+        for index, (group, ns) in enumerate(zip(self.param_groups, current, strict=True)):
             for key, value in ns.items():
                 group[key] = group[key].detach().to(device=value.device, dtype=value.dtype).clone()
+            self._mark_written(index, group)
 
     def _validate_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Check everything ``load_state_dict`` will load (the non-slot state is in the groups)."""
@@ -711,14 +719,18 @@ class Optimizer(torch.optim.Optimizer):
         It lives in the group dict, where tools write without going through
         ``load_state_dict`` (``ZeroRedundancyOptimizer.load_state_dict`` copies
         the saved group entries straight into its local optimizer), and so can
-        code. As for hyperparameters (``_evaluate``), a CPU tensor is read on the
-        host (no device synchronisation) and range-checked; one on an
-        accelerator is checked for its kind only.
+        code. A tensor this optimizer put there itself (at construction, load or
+        its last update) is trusted. Any other is checked: its kind, and, as for
+        hyperparameters (``_evaluate``), its range when it is a CPU tensor, read
+        on the host without a device synchronisation.
         """
         cls = type(self).__name__
         ranges = {spec.key: spec for spec in self._non_slot_ranges}
+        written = self.__dict__.get("_written_non_slot", {})
         for key in self._non_slot_keys:
             value = group.get(key)
+            if written.get((index, key)) is value:
+                continue
             if (
                 not isinstance(value, Tensor)
                 or value.dim() != 0
@@ -832,6 +844,7 @@ class Optimizer(torch.optim.Optimizer):
                     self._apply_sparse(group, ps[0], indices, gs[0], ss[0], non_slot, hyper)
             self._finish(group, non_slot, values)
             group.update(non_slot)
+            self._mark_written(gi, group)
 
 
 def _called_from_dcp_init() -> bool:
