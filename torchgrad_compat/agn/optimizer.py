@@ -61,6 +61,13 @@ class AGNOptimizer(OptimizerWrapper):
     The server refuses non-finite pushes, so with a fixed scale (which applies
     non-finite gradients, as TF) such a period raises ``ValueError``.
 
+    ``state_dict()`` has torch's two keys: the wrapped optimizer's ``state`` and
+    ``param_groups``, with ``agn_local_step``/``agn_global_step`` in every group
+    and each parameter's ``agn_accumulator``/``agn_pending`` beside its slots, so
+    ``torch.distributed.checkpoint`` keeps the worker's state; a worker
+    checkpointed mid-period resumes its period. The earlier ``{"optimizer": ...,
+    "agn": ...}`` layout still loads.
+
     Args:
         optimizer: the local optimizer (this package's or a ``torch.optim`` one).
         num_worker: number of workers; must equal the server's ``num_worker``.
