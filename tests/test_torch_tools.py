@@ -13,7 +13,12 @@ counter) must equal the uninterrupted run's bit for bit. The tools:
   in a one-rank gloo group (two ranks: tests/test_fsdp2.py).
 
 Checkpoints of this package's earlier layout (a top-level ``non_slot_state``;
-a wrapper's ``{"optimizer": ..., "loss_scale": ...}``) still load.
+a wrapper's ``{"optimizer": ..., "loss_scale": ...}``; a whole pickled optimizer)
+still load. Also here: DCP's state-initialising zero-gradient step changes no
+number; non-slot state written into the groups around ``load_state_dict`` (as
+ZeRO does) is checked before the next step; DTensor gradients of the wrong
+layout are refused before anything changes (FSDP2 itself: tests/test_fsdp2.py).
+AGNOptimizer, which needs a parameter server, is resumed in tests/test_agn.py.
 """
 
 from __future__ import annotations
