@@ -315,7 +315,7 @@ def check_state_dict_resume(rank: int, world: int) -> None:
     torch.save(opt.state_dict(), saved)
     saved.seek(0)
     resumed.load_state_dict(torch.load(saved, weights_only=True))
-    assert set(opt.state_dict()) == {"optimizer"}
+    assert set(opt.state_dict()) == {"state", "param_groups"}
     for step in range(2, 4):
         batch = _global_batch(step, world, torch.float64)
         opt.minimize(_shard_loss(model, batch, rank))

@@ -31,7 +31,7 @@ def test_beta_powers_are_float32_running_products():
     for _ in range(1000):
         opt.apply_gradients([(torch.ones(3), p)])
         b1p, b2p = f32(b1p * f32(0.9)), f32(b2p * f32(0.999))
-    non_slot = opt.state_dict()["non_slot_state"][0]
+    non_slot = opt.state_dict()["param_groups"][0]
     assert non_slot["beta1_power"].dtype == torch.float32
     assert non_slot["beta2_power"].item() == float(b2p)
     assert non_slot["beta1_power"].item() == float(b1p)

@@ -10,6 +10,8 @@ killed.
 
 from __future__ import annotations
 
+import copy
+import io
 import math
 import multiprocessing
 import os
@@ -26,7 +28,9 @@ from typing import Any
 import _agn_workers as workers
 import pytest
 import torch
+import torch.distributed.checkpoint as dcp
 from _procs import free_port, run_ranks
+from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
 import torchgrad_compat.optim as tgo
 from torchgrad_compat.agn import (
@@ -116,8 +120,8 @@ def test_server_optimizer_state_advances_once_per_push():
     opt = AGNOptimizer(tgo.AdamOptimizer([p], learning_rate=0.1), 1, 2, server=host.endpoint("w"))
     for _ in range(6):
         opt.apply_gradients([(torch.ones(2), p)])
-    server_power = server.optimizer.state_dict()["non_slot_state"][0]["beta1_power"]
-    local_power = opt.inner_optimizer.state_dict()["non_slot_state"][0]["beta1_power"]
+    server_power = server.optimizer.state_dict()["param_groups"][0]["beta1_power"]
+    local_power = opt.inner_optimizer.state_dict()["param_groups"][0]["beta1_power"]
     assert math.isclose(server_power.item(), 0.9**4, rel_tol=1e-6)  # 3 pushes
     assert math.isclose(local_power.item(), 0.9**7, rel_tol=1e-6)  # 6 local steps
 
@@ -178,10 +182,20 @@ def test_state_dict_round_trip_mid_period():
     state = opt.state_dict()
     q = torch.zeros(2)
     other = AGNOptimizer(tgo.AdamOptimizer([q], 0.1), 1, 4, server=host.endpoint("w2"))
+    assert set(state) == {"state", "param_groups"}
     other.load_state_dict(state)
     assert (
         other.local_step == 1 and torch.equal(other._accumulators[0], torch.ones(2)) and other._pending == {0}
     )
+    # The earlier layout, built literally, loads the same.
+    old = _old_layout({})(copy.deepcopy(state))
+    r = torch.zeros(2)
+    third = AGNOptimizer(tgo.AdamOptimizer([r], 0.1), 1, 4, server=host.endpoint("w3"))
+    third.load_state_dict(old)
+    assert (
+        third.local_step == 1 and torch.equal(third._accumulators[0], torch.ones(2)) and third._pending == {0}
+    )
+    _assert_same_state(third.inner_optimizer.state_dict(), other.inner_optimizer.state_dict())
 
 
 # ---------------------------------------------------------------------- the server's contract
@@ -598,10 +612,14 @@ def test_a_checkpoint_with_flipped_bytes_is_refused(tmp_path):
             lambda s: s["optimizer"]["param_groups"][0].update(lr=float("nan")),
             r"param_groups\[0\]\['lr'\] is nan",
         ),
+        (
+            lambda s: s["optimizer"]["param_groups"][0]["beta1_power"].fill_(float("nan")),
+            r"param_groups\[0\]\['beta1_power'\] is tensor\(nan\)",
+        ),
         (lambda s: s.pop("center"), r"misses keys \['center'\]"),
         (lambda s: s.pop("global_step"), r"misses keys \['global_step'\]"),
     ],
-    ids=["nan_center", "negative_step", "nan_lr", "no_center", "no_global_step"],
+    ids=["nan_center", "negative_step", "nan_lr", "nan_beta1_power", "no_center", "no_global_step"],
 )
 def test_a_checkpoint_with_bad_values_is_refused_with_a_named_error(tmp_path, edit, match):
     from torchgrad_compat.agn.server import checkpoint_digest
@@ -988,16 +1006,156 @@ def test_a_restarted_worker_takes_its_name_back_once_the_server_finds_the_old_pr
         old.apply_gradients([(torch.ones(1), p)])
 
 
+def _assert_same_state(a, b):
+    assert a["state"].keys() == b["state"].keys()
+    for key in a["state"]:
+        assert all(torch.equal(a["state"][key][k], b["state"][key][k]) for k in b["state"][key])
+    for x, y in zip(a["param_groups"], b["param_groups"], strict=True):
+        assert x.keys() == y.keys()
+        assert all(torch.equal(x[k], y[k]) if isinstance(x[k], torch.Tensor) else x[k] == y[k] for k in x)
+
+
+def _set_param_state(key, value):
+    def change(state):
+        state["state"][0][key] = value
+        return state
+
+    return change
+
+
+def _drop_param_state(key):
+    def change(state):
+        del state["state"][0][key]
+        return state
+
+    return change
+
+
+def _set_group(key, value):
+    def change(state):
+        state["param_groups"][0][key] = value
+        return state
+
+    return change
+
+
+def _old_layout(agn_change):
+    """The earlier layout, ``{"optimizer": ..., "agn": {...}}``, built literally, with ``agn_change``."""
+
+    def change(state):
+        accumulator = state["state"][0]["agn_accumulator"]
+        inner = {
+            "state": {0: {k: v for k, v in state["state"][0].items() if not k.startswith("agn_")}},
+            "param_groups": [{k: v for k, v in state["param_groups"][0].items() if not k.startswith("agn_")}],
+        }
+        agn = {"local_step": 1, "global_step": 0, "accumulators": [accumulator], "pending": [0]}
+        return {"optimizer": inner, "agn": {**agn, **agn_change}}
+
+    return change
+
+
+def _agn_model(seed: int = 0) -> torch.nn.Module:
+    torch.manual_seed(seed)
+    return torch.nn.Linear(3, 2)
+
+
+def _agn_train(model: torch.nn.Module, opt: AGNOptimizer, steps: range) -> None:
+    for step in steps:
+        gen = torch.Generator().manual_seed(50 + step)
+        x, y = torch.randn(4, 3, generator=gen), torch.randn(4, 2, generator=gen)
+        opt.zero_grad()
+        ((model(x) - y) ** 2).mean().backward()
+        opt.step()
+
+
+def _save_two_keys(model, opt, tmp_path):
+    sd = opt.state_dict()
+    buffer = io.BytesIO()
+    torch.save(
+        {"model": model.state_dict(), "state": sd["state"], "param_groups": sd["param_groups"]}, buffer
+    )
+    return buffer.getvalue()
+
+
+def _load_two_keys(model, opt, saved):
+    loaded = torch.load(io.BytesIO(saved), weights_only=True)
+    model.load_state_dict(loaded["model"])
+    opt.load_state_dict({"state": loaded["state"], "param_groups": loaded["param_groups"]})
+
+
+def _dcp_save(model, opt, tmp_path):
+    model_sd, optim_sd = get_state_dict(model, opt)
+    dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=tmp_path / "ckpt")
+    return tmp_path / "ckpt"
+
+
+def _dcp_load(model, opt, path):
+    model_sd, optim_sd = get_state_dict(model, opt)
+    state = {"model": model_sd, "optim": optim_sd}
+    dcp.load(state, checkpoint_id=path)
+    set_state_dict(model, opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
+
+
+@pytest.mark.parametrize(
+    ("save", "load"), [(_save_two_keys, _load_two_keys), (_dcp_save, _dcp_load)], ids=["torch.save", "dcp"]
+)
+def test_worker_resumes_bitwise_through_torch_tools(save, load, tmp_path):
+    """Checkpointed mid-period, a worker continues as the uninterrupted one: same pushes, same parameters."""
+    period, split, steps = 3, 4, 8
+    adam = lambda ps: tgo.AdamOptimizer(ps, learning_rate=0.1)  # noqa: E731
+
+    def worker(host, name, seed=0):
+        model = _agn_model(seed)
+        return model, AGNOptimizer(adam(list(model.parameters())), 1, period, server=host.endpoint(name))
+
+    _, host_a = _local([p.detach().clone() for p in _agn_model().parameters()], adam, 1)
+    model_a, opt_a = worker(host_a, "a")
+    _agn_train(model_a, opt_a, range(steps))
+
+    _, host_b = _local([p.detach().clone() for p in _agn_model().parameters()], adam, 1)
+    model_b, opt_b = worker(host_b, "b")
+    _agn_train(model_b, opt_b, range(split))
+    saved = save(model_b, opt_b, tmp_path)
+    model_c, opt_c = worker(host_b, "c", seed=1)
+    load(model_c, opt_c, saved)
+    assert opt_c.local_step == split and opt_c._pending
+    _agn_train(model_c, opt_c, range(split, steps))
+
+    assert opt_c.local_step == opt_a.local_step and opt_c.global_step == opt_a.global_step
+    for x, y in zip(
+        [*model_c.parameters(), *opt_c.variables(), *opt_c._accumulators],
+        [*model_a.parameters(), *opt_a.variables(), *opt_a._accumulators],
+        strict=True,
+    ):
+        assert torch.equal(x, y)
+
+
+def test_dcp_state_initialisation_is_not_a_training_step():
+    """DCP's get_state_dict steps a fresh optimizer with zero gradients: no local step, no push."""
+    adam = lambda ps: tgo.AdamOptimizer(ps, learning_rate=0.1)  # noqa: E731
+    server, host = _local([p.detach().clone() for p in _agn_model().parameters()], adam, 1)
+    model = _agn_model()
+    opt = AGNOptimizer(adam(list(model.parameters())), 1, 1, server=host.endpoint("w"))
+    get_state_dict(model, opt)
+    assert server.global_step == 0 and opt.local_step == 0 and not opt._pending
+    assert opt.get_slot(model.weight, "m") is not None  # the state DCP asked for exists
+
+
 @pytest.mark.parametrize(
     ("change", "match"),
     [
-        ({"accumulators": [torch.ones(3)]}, r"accumulator 0 must be a floating tensor of shape \(2,\)"),
-        ({"accumulators": []}, "list of 1 tensors"),
-        ({"accumulators": [torch.tensor([1.0, math.nan])]}, "Invalid accumulator 0 value"),
-        ({"local_step": -1}, "Invalid local_step value: -1"),
-        ({"pending": [5]}, r"Invalid pending value: \[5\]"),
+        (
+            _set_param_state("agn_accumulator", torch.ones(3)),
+            r"accumulator 0 must be a floating tensor of shape \(2,\)",
+        ),
+        (_drop_param_state("agn_accumulator"), r"accumulator 0 must be a floating tensor of shape \(2,\)"),
+        (_set_param_state("agn_accumulator", torch.tensor([1.0, math.nan])), "Invalid accumulator 0 value"),
+        (_set_group("agn_local_step", -1), "Invalid local_step value: -1"),
+        (_old_layout({"accumulators": []}), "list of 1 tensors"),
+        (_old_layout({"pending": [5]}), r"Invalid pending value: \[5\]"),
+        (_old_layout({"local_step": -1}), "Invalid local_step value: -1"),
     ],
-    ids=["shape", "count", "nan", "local_step", "pending"],
+    ids=["shape", "missing", "nan", "local_step", "old-count", "old-pending", "old-local_step"],
 )
 def test_load_state_dict_checks_the_worker_state_before_loading_anything(change, match):
     _, host = _local([torch.zeros(2)], _gd, 1)
@@ -1008,7 +1166,7 @@ def test_load_state_dict_checks_the_worker_state_before_loading_anything(change,
     q = torch.zeros(2)
     other = AGNOptimizer(tgo.AdamOptimizer([q], 0.5), 1, 4, server=host.endpoint("w2"))
     with pytest.raises(ValueError, match=match):
-        other.load_state_dict({**state, "agn": {**state["agn"], **change}})
+        other.load_state_dict(change(copy.deepcopy(state)))
     # Neither the wrapped optimizer nor the worker state was loaded half-way.
     assert not other.inner_optimizer.state and other.param_groups[0]["lr"] == 0.5
     assert (

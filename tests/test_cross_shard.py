@@ -167,7 +167,7 @@ def test_forwards_to_the_wrapped_optimizer():
     assert opt.param_groups is inner.param_groups and opt.state is inner.state
     assert opt.get_slot(w, "m") is inner.get_slot(w, "m") and opt.get_slot_names() == ["m", "v"]
     assert opt.variables() == inner.variables()
-    assert opt.state_dict()["optimizer"]["state"].keys() == inner.state_dict()["state"].keys()
+    assert opt.state_dict()["state"].keys() == inner.state_dict()["state"].keys()
     opt.learning_rate = 0.5
     assert inner.param_groups[0]["lr"] == 0.5
     (w * w).sum().backward()

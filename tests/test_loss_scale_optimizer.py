@@ -84,7 +84,7 @@ def _run_trajectory(case: dict[str, Any], mode: str) -> tuple[list[dict[str, Any
         for i, p in enumerate(params):
             for name in case["slots"]:
                 record[f"slot{i}/{name}"] = opt.get_slot(p, name).clone()
-        non_slot = inner.state_dict()["non_slot_state"][0]
+        non_slot = inner.state_dict()["param_groups"][0]
         record.update({f"non_slot/{name}": non_slot[name].clone() for name in case["non_slots"]})
         record["scale"] = float(opt.loss_scale())
         if isinstance(loss_scale, DynamicLossScale):
@@ -615,12 +615,20 @@ def test_load_state_dict_failure_changes_nothing() -> None:
     _train(opt, model, range(4))
     before = copy.deepcopy(opt.state_dict())
     other = _make(nn.Linear(4, 2), "ours", DynamicLossScale(2.0, increment_period=1))
+    inner_only = {
+        "state": before["state"],
+        "param_groups": [
+            {k: v for k, v in g.items() if not k.startswith("loss_scale_")} for g in before["param_groups"]
+        ],
+    }
     with pytest.raises(ValueError, match="loss_scale"):
-        opt.load_state_dict({"optimizer": before["optimizer"]})
+        opt.load_state_dict(inner_only)
+    with pytest.raises(ValueError, match="loss_scale"):
+        opt.load_state_dict({"optimizer": inner_only})  # the earlier layout, without its loss scale
     with pytest.raises(ValueError):
         opt.load_state_dict(other.state_dict())  # the wrapped optimizer's groups do not fit
     _assert_same(opt.state_dict(), before)
-    assert set(before) == {"optimizer", "loss_scale"}
+    assert set(before) == {"state", "param_groups"}
 
 
 # ---------------------------------------------------------------------- forwarding and errors

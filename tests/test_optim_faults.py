@@ -42,11 +42,11 @@ def test_adam_hyperparameters_written_after_construction_are_checked(key, value)
     p, g = _pair()
     opt = tgo.AdamOptimizer([p], learning_rate=0.1)
     opt.apply_gradients([(g, p)])
-    powers = [v.clone() for v in opt.state_dict()["non_slot_state"][0].values()]
+    powers = [opt.state_dict()["param_groups"][0][k].clone() for k in ("beta1_power", "beta2_power")]
     opt.param_groups[0][key] = value
     with pytest.raises(ValueError, match=f"Invalid {key} value"):
         opt.apply_gradients([(g, p)])
-    after = list(opt.state_dict()["non_slot_state"][0].values())
+    after = [opt.state_dict()["param_groups"][0][k] for k in ("beta1_power", "beta2_power")]
     assert all(torch.equal(a, b) for a, b in zip(after, powers, strict=True))  # beta powers did not advance
 
 
@@ -131,7 +131,7 @@ def test_loaded_non_slot_state_is_range_checked(cls, key, bad):
     opt = cls([p], learning_rate=0.1)
     opt.apply_gradients([(g, p)])
     sd = opt.state_dict()
-    sd["non_slot_state"][0][key] = bad
+    sd["param_groups"][0][key] = bad
     fresh = cls([torch.ones(3, requires_grad=True)], learning_rate=0.5)
     with pytest.raises(ValueError, match=f"Invalid {key} value"):
         fresh.load_state_dict(sd)

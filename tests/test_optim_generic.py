@@ -50,8 +50,8 @@ def _state_tensors(opt):
         for p in group["params"]:
             state = opt.state.get(p, {})
             out.extend((k, state[k]) for k in sorted(state))
-    for i, ns in enumerate(opt.state_dict()["non_slot_state"]):
-        out.extend((f"{i}/{k}", ns[k]) for k in sorted(ns))
+    for i, group in enumerate(opt.state_dict()["param_groups"]):
+        out.extend((f"{i}/{k}", group[k]) for k in sorted(opt._non_slot_keys))
     return out
 
 
@@ -159,8 +159,10 @@ def test_slots(spec: OptimSpec, cid: str):
     assert all(opt.get_slot(params[1], name) is None for name in expected)
     assert opt.get_slot(params[0], "no-such-slot") is None
     assert opt.get_slot(torch.zeros(3), expected[0] if expected else "m") is None
-    non_slot = opt.state_dict()["non_slot_state"][0]
-    assert sorted(non_slot) == sorted(spec.non_slot)
+    assert sorted(opt._non_slot_keys) == sorted(spec.non_slot)
+    group = opt.state_dict()["param_groups"][0]
+    assert all(isinstance(group[k], torch.Tensor) and group[k].dim() == 0 for k in spec.non_slot)
+    assert set(opt.state_dict()) == {"state", "param_groups"}
 
 
 # ---------------------------------------------------------------- checkpoints
@@ -221,8 +223,9 @@ def test_load_state_dict_rejects_what_does_not_fit(spec: OptimSpec, cid: str):
         with pytest.raises(ValueError, match=f"lacks slot '{slot}'"):
             fresh.load_state_dict(foreign)
     if spec.non_slot:
-        with pytest.raises(ValueError, match="non_slot_state|non-slot"):
-            fresh.load_state_dict({k: v for k, v in good.items() if k != "non_slot_state"})
+        lacking = [{k: v for k, v in good["param_groups"][0].items() if k != spec.non_slot[0]}]
+        with pytest.raises(ValueError, match=f"lacks the non-slot state.*{spec.non_slot[0]}"):
+            fresh.load_state_dict({**good, "param_groups": lacking})
     _assert_bitwise(_state_tensors(fresh), [(k, v) for k, v in _state_tensors(fresh)])
     assert fresh.state_dict()["state"] == before["state"]  # nothing was loaded half-way
 
@@ -270,7 +273,7 @@ def test_load_state_dict_checks_non_slot_state_first(spec: OptimSpec, cid: str):
     opt.apply_gradients(zip(_grads(params, 0), params))
     good = opt.state_dict()
     key = spec.non_slot[0]
-    current = good["non_slot_state"][0][key]
+    current = good["param_groups"][0][key]
     bad_values = [
         ([0.5], TypeError, "must be a"),
         (current.reshape(1), TypeError, r"shape \(\)"),
@@ -279,13 +282,13 @@ def test_load_state_dict_checks_non_slot_state_first(spec: OptimSpec, cid: str):
     for bad, exc, match in bad_values:
         exc = exc or (ValueError if current.is_floating_point() else TypeError)
         fresh = spec.make(_params(), cid, learning_rate=0.5)
-        sd = {**good, "non_slot_state": [{**good["non_slot_state"][0], key: bad}]}
+        sd = {**good, "param_groups": [{**good["param_groups"][0], key: bad}]}
         with pytest.raises(exc, match=match or key):
             fresh.load_state_dict(sd)
         assert not fresh.state and fresh.param_groups[0]["lr"] == 0.5
         _assert_bitwise(
-            sorted(fresh.state_dict()["non_slot_state"][0].items()),
-            sorted(spec.make(_params(), cid).state_dict()["non_slot_state"][0].items()),
+            [(k, fresh.param_groups[0][k]) for k in spec.non_slot],
+            [(k, spec.make(_params(), cid).param_groups[0][k]) for k in spec.non_slot],
         )
 
 
@@ -296,7 +299,7 @@ def test_load_state_dict_does_not_mutate_its_argument():
     sd = opt.state_dict()
     keys = set(sd)
     tgo.AdamOptimizer(_params(), learning_rate=0.1).load_state_dict(sd)
-    assert set(sd) == keys and "non_slot_state" in sd
+    assert set(sd) == keys == {"state", "param_groups"}
 
 
 # ---------------------------------------------------------------- errors
@@ -546,11 +549,11 @@ def test_step_without_gradients_does_nothing(spec: OptimSpec, cid: str):
     params = _params()
     before = [p.detach().clone() for p in params]
     opt = spec.make(params, cid)
-    non_slot = copy.deepcopy(opt.state_dict()["non_slot_state"])
+    non_slot = [copy.deepcopy(opt._non_slot_of(g)) for g in opt.param_groups]
     opt.step()
     _assert_bitwise([p.detach() for p in params], before)
     assert not opt.state
-    for a, b in zip(opt.state_dict()["non_slot_state"], non_slot, strict=True):
+    for a, b in zip([opt._non_slot_of(g) for g in opt.param_groups], non_slot, strict=True):
         _assert_bitwise(sorted(a.items()), sorted(b.items()))
 
 
@@ -641,7 +644,7 @@ def test_step_closure_hooks_repr_and_deepcopy():
     assert calls == ["pre", "post", "pre"]
     assert "AdamOptimizer" in repr(opt)
     clone = copy.deepcopy(opt)
-    assert clone.state_dict()["non_slot_state"][0]["beta1_power"].item() == pytest.approx(0.9**3)
+    assert clone.state_dict()["param_groups"][0]["beta1_power"].item() == pytest.approx(0.9**3)
 
 
 def test_global_step_is_incremented_in_place():

@@ -16,7 +16,7 @@ here in two ways:
   one is assigned to ``p.grad`` directly.
 
 Both variables are compared after every step; the slots (``get_slot``) and the
-non-slot state (``state_dict()["non_slot_state"]``) after the last step.
+non-slot state (kept in the param groups, ``state_dict()["param_groups"]``) after the last step.
 """
 
 from __future__ import annotations
@@ -132,7 +132,7 @@ def run_case(case: dict[str, Any], mode: str) -> list[tuple[str, np.ndarray, np.
             slot = opt.get_slot(p, name)
             assert slot is not None, f"get_slot(var{i}, {name!r}) is None after {case['steps']} steps"
             compared.append((f"slot {name!r} of var{i}", _numpy(slot), arrays[f"slot{i}/{name}"]))
-    non_slot = opt.state_dict()["non_slot_state"][0]
+    non_slot = opt.state_dict()["param_groups"][0]
     for name in case["non_slots"]:
         assert name in non_slot, f"non-slot state {name!r} missing; have {sorted(non_slot)}"
         compared.append((f"non-slot {name!r}", _numpy(non_slot[name]), arrays[f"non_slot/{name}"]))

@@ -10,7 +10,7 @@ from torch import Tensor
 
 from ..amp.loss_scale import found_non_finite
 from ..amp.loss_scale_optimizer import LossScaleOptimizer
-from ..optim._base import _check_global_step, _describe
+from ..optim._base import _called_from_dcp_init, _check_global_step, _describe
 from ..optim._wrapper import OptimizerWrapper
 from .transport import RpcEndpoint, ServerEndpoint
 
@@ -60,6 +60,13 @@ class AGNOptimizer(OptimizerWrapper):
     device (no host read per local step); the counts are read at the push.
     The server refuses non-finite pushes, so with a fixed scale (which applies
     non-finite gradients, as TF) such a period raises ``ValueError``.
+
+    ``state_dict()`` has torch's two keys: the wrapped optimizer's ``state`` and
+    ``param_groups``, with ``agn_local_step``/``agn_global_step`` in every group
+    and each parameter's ``agn_accumulator``/``agn_pending`` beside its slots, so
+    ``torch.distributed.checkpoint`` keeps the worker's state; a worker
+    checkpointed mid-period resumes its period. The earlier ``{"optimizer": ...,
+    "agn": ...}`` layout still loads.
 
     Args:
         optimizer: the local optimizer (this package's or a ``torch.optim`` one).
@@ -131,6 +138,7 @@ class AGNOptimizer(OptimizerWrapper):
             num_worker, specs, startup_timeout=startup_timeout
         )
         self._pull(center)
+        self._mirror(self._wrapper_state())
 
     def __repr__(self) -> str:
         return (
@@ -146,6 +154,12 @@ class AGNOptimizer(OptimizerWrapper):
             with torch.enable_grad():
                 loss = closure()
         self._check_params()
+        if _called_from_dcp_init():
+            # torch.distributed.checkpoint creating the state of a fresh optimizer with a
+            # zero-gradient step (see Optimizer.step): not a training step, so nothing is
+            # counted, accumulated or pushed to the server.
+            self._optimizer.step()
+            return loss
         if self._loss_scaled:
             # p.grad holds scaled gradients until unscale_() divides them in place; step() reuses its check.
             self._optimizer.unscale_()
@@ -270,27 +284,59 @@ class AGNOptimizer(OptimizerWrapper):
             )
 
     # ------------------------------------------------------------------ checkpoints
-    def state_dict(self) -> dict[str, Any]:
-        """The wrapped optimizer's state plus ``local_step``, ``global_step`` and the accumulators."""
-        state = super().state_dict()
-        state["agn"] = {
-            "local_step": self.local_step,
-            "global_step": self.global_step,
-            "accumulators": [a.clone() for a in self._accumulators],
-            "pending": sorted(self._pending),
-        }
+    # State dict layout: ``agn_local_step``, ``agn_global_step`` (and ``agn_applied``
+    # around a loss-scaling optimizer) in every param group; ``agn_accumulator``,
+    # ``agn_pending`` (and ``agn_seen``) beside each parameter's slots in ``state``.
+    def _wrapper_state(self) -> dict[str, Any]:
+        """``local_step``, ``global_step`` (and the applied-step count), kept in every param group."""
+        out: dict[str, Any] = {"agn_local_step": self.local_step, "agn_global_step": self.global_step}
         if self._applied is not None:
-            state["agn"]["applied"] = self._applied.clone()
-            state["agn"]["seen"] = [s.clone() for s in self._seen]
-        return state
+            out["agn_applied"] = self._applied.clone()
+        return out
 
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Load the wrapped optimizer's state and the worker's; everything is checked first."""
+    def _wrapper_keys(self, saved_group: dict[str, Any]) -> set[str]:
+        return {k for k in saved_group if k.startswith("agn_")} or set(self._wrapper_state())
+
+    def _wrapper_param_state(self) -> dict[int, dict[str, Any]]:
+        """Each parameter's accumulator and pending flag (and its seen flag), by parameter index."""
+        out: dict[int, dict[str, Any]] = {}
+        for i, a in enumerate(self._accumulators):
+            out[i] = {"agn_accumulator": a.clone(), "agn_pending": i in self._pending}
+            if self._applied is not None:
+                out[i]["agn_seen"] = self._seen[i].clone()
+        return out
+
+    def _values_from_old_layout(
+        self, state_dict: dict[str, Any]
+    ) -> tuple[dict[str, Any], dict[int, dict[str, Any]]]:
+        """The earlier layout, ``{"optimizer": ..., "agn": {...}}``, as group and per-parameter keys."""
         agn = state_dict.get("agn")
         if agn is None:
             raise ValueError(f"AGNOptimizer.load_state_dict expects key 'agn', got keys {sorted(state_dict)}")
         self._check_agn_state(agn)
-        super().load_state_dict(state_dict)
+        extra = {"agn_local_step": agn["local_step"], "agn_global_step": agn["global_step"]}
+        per_param: dict[int, dict[str, Any]] = {}
+        for i, a in enumerate(agn["accumulators"]):
+            per_param[i] = {"agn_accumulator": a, "agn_pending": i in set(agn["pending"])}
+            if self._applied is not None:
+                per_param[i]["agn_seen"] = agn["seen"][i]
+        if self._applied is not None:
+            extra["agn_applied"] = agn["applied"]
+        return extra, per_param
+
+    def _load_wrapper(self, values: dict[str, Any], per_param: dict[int, dict[str, Any]]) -> None:
+        """Check the worker state, then load it (the wrapped optimizer's is loaded by the base)."""
+        count = len(self._accumulators)
+        agn: dict[str, Any] = {
+            "local_step": values.get("agn_local_step"),
+            "global_step": values.get("agn_global_step"),
+            "accumulators": [per_param.get(i, {}).get("agn_accumulator") for i in range(count)],
+            "pending": [i for i in range(count) if per_param.get(i, {}).get("agn_pending")],
+        }
+        if self._applied is not None:
+            agn["applied"] = values.get("agn_applied")
+            agn["seen"] = [per_param.get(i, {}).get("agn_seen") for i in range(count)]
+        self._check_agn_state(agn)
         with torch.no_grad():
             for a, saved in zip(self._accumulators, agn["accumulators"], strict=True):
                 a.copy_(saved)

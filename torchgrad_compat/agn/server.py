@@ -476,7 +476,13 @@ def _read_checkpoint(path: str) -> dict[str, Any]:
     for g, group in enumerate(optimizer["param_groups"]):
         for key, value in group.items():
             for v in value if isinstance(value, (list, tuple)) else [value]:
-                if isinstance(v, float) and not math.isfinite(v):
+                # Tensors too: optimizer-wide state (Adam's beta powers) lives in the groups.
+                finite = (
+                    bool(torch.isfinite(v).all())
+                    if isinstance(v, Tensor) and v.is_floating_point()
+                    else not isinstance(v, float) or math.isfinite(v)
+                )
+                if not finite:
                     raise ValueError(f"AGN checkpoint {path}: optimizer param_groups[{g}][{key!r}] is {v!r}")
     for p, slots in optimizer["state"].items():
         for slot, v in slots.items():

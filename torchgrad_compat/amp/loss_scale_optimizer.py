@@ -10,7 +10,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from ..optim._base import _check_global_step, _check_grad, _describe
+from ..optim._base import _called_from_dcp_init, _check_global_step, _check_grad, _describe
 from ..optim._wrapper import OptimizerWrapper
 from .loss_scale import LossScale, as_loss_scale, found_non_finite
 
@@ -71,9 +71,13 @@ class LossScaleOptimizer(OptimizerWrapper):
 
     ``param_groups``, ``state``, ``get_slot``, ``get_slot_names``,
     ``learning_rate``/``lr`` and ``zero_grad`` are the wrapped optimizer's;
-    ``variables()`` adds the scale and the counter; ``state_dict()`` is
-    ``{"optimizer": ..., "loss_scale": ...}``, so a resumed run continues the
-    same scale sequence.
+    ``variables()`` adds the scale and the counter. ``state_dict()`` has
+    torch's two keys, ``state`` and ``param_groups``: the wrapped optimizer's,
+    with the loss scale's state in every param group (``loss_scale_class``,
+    ``loss_scale_current_loss_scale``, ``loss_scale_good_steps``, ...), so a
+    resumed run continues the same scale sequence, also through tools that keep
+    only those two keys (``torch.distributed.checkpoint``). The earlier
+    ``{"optimizer": ..., "loss_scale": ...}`` layout still loads.
 
     Differences from TensorFlow:
         1. It wraps any torch optimizer, and has the torch-style ``step`` and ``unscale_``.
@@ -129,6 +133,7 @@ class LossScaleOptimizer(OptimizerWrapper):
         if params:
             self._loss_scale.to(params[0].device)
         self._marks = _StepMarks()
+        self._mirror(self._wrapper_state())
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         super().__setstate__(state)
@@ -248,6 +253,11 @@ class LossScaleOptimizer(OptimizerWrapper):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        if _called_from_dcp_init():
+            # torch.distributed.checkpoint creating a fresh optimizer's state (see
+            # Optimizer.step): not a training step, so the scale and its counter stay.
+            self._optimizer.step()
+            return loss
         marks = self._marks
         with torch.no_grad():
             if not marks.unscaled:
@@ -454,25 +464,29 @@ class LossScaleOptimizer(OptimizerWrapper):
         """The wrapped optimizer's state tensors, then the loss scale's (TF's order)."""
         return super().variables() + self._loss_scale.variables()
 
-    def state_dict(self) -> dict[str, Any]:
-        """``{"optimizer": <wrapped optimizer's state_dict>, "loss_scale": <LossScale.state_dict()>}``."""
-        return {**super().state_dict(), "loss_scale": self._loss_scale.state_dict()}
+    def _wrapper_state(self) -> dict[str, Any]:
+        """The loss scale's ``state_dict()``, keys prefixed ``loss_scale_`` (kept in every param group)."""
+        return {_LOSS_SCALE_PREFIX + k: v for k, v in self._loss_scale.state_dict().items()}
 
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Restore the wrapped optimizer and the loss scale; on any error neither changes."""
-        if not isinstance(state_dict, dict) or "loss_scale" not in state_dict:
-            keys = sorted(state_dict) if isinstance(state_dict, dict) else type(state_dict).__name__
+    def _wrapper_keys(self, saved_group: dict[str, Any]) -> set[str]:
+        # Whatever loss scale was saved (its class is among the keys); LossScale.load_state_dict judges it.
+        return {k for k in saved_group if k.startswith(_LOSS_SCALE_PREFIX)} or set(self._wrapper_state())
+
+    def _load_wrapper(self, values: dict[str, Any], per_param: dict[int, dict[str, Any]]) -> None:
+        self._loss_scale.load_state_dict({k.removeprefix(_LOSS_SCALE_PREFIX): v for k, v in values.items()})
+
+    def _values_from_old_layout(
+        self, state_dict: dict[str, Any]
+    ) -> tuple[dict[str, Any], dict[int, dict[str, Any]]]:
+        if not isinstance(state_dict.get("loss_scale"), dict):
             raise ValueError(
-                "LossScaleOptimizer.load_state_dict expects the dict from its state_dict(), with keys "
-                f"'optimizer' and 'loss_scale'; got {keys}"
+                "LossScaleOptimizer.load_state_dict: a state dict of the earlier layout must hold "
+                f"'optimizer' and 'loss_scale'; got keys {sorted(state_dict)}"
             )
-        previous = self._loss_scale.state_dict()
-        self._loss_scale.load_state_dict(state_dict["loss_scale"])
-        try:
-            super().load_state_dict(state_dict)
-        except Exception:
-            self._loss_scale.load_state_dict(previous)
-            raise
+        return {_LOSS_SCALE_PREFIX + k: v for k, v in state_dict["loss_scale"].items()}, {}
+
+
+_LOSS_SCALE_PREFIX = "loss_scale_"
 
 
 class _StepMarks:

@@ -2,9 +2,9 @@
 
 ``Optimizer`` owns everything that is not update math: argument validation, slot
 creation, TF's ``compute_gradients`` / ``apply_gradients`` / ``minimize``, sparse
-coalescing, optimizer-wide ("non-slot") state, ``get_slot`` and ``state_dict``.
-Each optimizer file owns only its hyperparameters, its slot initial values and its
-update rule, reached through four hooks:
+coalescing, optimizer-wide ("non-slot") state, ``get_slot``, ``state_dict`` and
+DTensor parameters (FSDP2). Each optimizer file owns only its hyperparameters,
+its slot initial values and its update rule, reached through four hooks:
 
 - ``_init_slots(group, p)`` returns the slot tensors of a parameter;
 - ``_init_non_slot(group, device)`` returns optimizer-wide state (Adam's beta powers);
@@ -16,6 +16,12 @@ update rule, reached through four hooks:
   (TF's ``_finish``: Adam advances its beta powers there).
 
 ``step()`` and ``apply_gradients()`` both end in ``_apply``: there is one update path.
+
+Optimizer-wide state is kept as 0-d tensors inside each param group dict
+(``group["beta1_power"]``), one set per group, so that every tool that saves or
+moves only torch's ``state`` and ``param_groups`` (``torch.distributed.checkpoint``,
+``ZeroRedundancyOptimizer``, Lightning) carries it. ``_non_slot_of`` is the one
+accessor; the hooks receive a dict of it and ``_apply`` writes it back.
 """
 
 from __future__ import annotations
@@ -23,6 +29,7 @@ from __future__ import annotations
 import functools
 import math
 import struct
+import sys
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -30,6 +37,7 @@ from typing import Any, ClassVar
 
 import torch
 from torch import Tensor
+from torch.distributed.tensor import DTensor
 from torch.optim.optimizer import _default_to_fused_or_foreach
 
 from ..gradients import check_aggregation_method, gradients
@@ -282,8 +290,17 @@ class Optimizer(torch.optim.Optimizer):
     Slots (TF's per-variable optimizer state) are the entries of ``self.state[p]``,
     keyed by TF's slot names. State TF keeps outside slots, once per optimizer,
     (Adam's ``beta1_power``/``beta2_power``, AdagradDA's step) is kept once per
-    param group and advanced once per ``step``/``apply_gradients`` call; it is
-    part of ``state_dict()`` under ``"non_slot_state"``.
+    param group, as 0-d tensors in the group dict (``group["beta1_power"]``),
+    and advanced once per ``step``/``apply_gradients`` call. ``state_dict()``
+    therefore has exactly torch's two keys, ``state`` and ``param_groups``, and
+    tools that copy only those (``torch.distributed.checkpoint``,
+    ``ZeroRedundancyOptimizer``) lose nothing. ``load_state_dict`` also accepts
+    the earlier layout, with the non-slot state under a top-level
+    ``"non_slot_state"`` list.
+
+    Parameters may be DTensors (``torch.distributed.fsdp.fully_shard``, tensor
+    parallelism): every update rule here is elementwise, so each rank updates its
+    local shard, with slots sharded like the parameter.
 
     Subclasses declare ``_hypers`` (their hyperparameters), ``_slots`` (slot
     names) and implement the hooks listed in this module's docstring.
@@ -300,7 +317,7 @@ class Optimizer(torch.optim.Optimizer):
     # Ranges of loaded non-slot state, by key (Adam's beta powers lie in [0, 1)).
     _non_slot_ranges: ClassVar[tuple[Hyper, ...]] = ()
     # Instance attributes kept by pickling and deepcopy, beyond torch's three.
-    _pickled_attributes: ClassVar[tuple[str, ...]] = ("_non_slot",)
+    _pickled_attributes: ClassVar[tuple[str, ...]] = ("_non_slot_keys",)
 
     def __init__(self, params: Iterable[Tensor] | Iterable[dict[str, Any]], defaults: dict[str, Any]):
         if isinstance(params, Tensor):
@@ -308,13 +325,14 @@ class Optimizer(torch.optim.Optimizer):
                 "params argument given to the optimizer should be an iterable of Tensors "
                 f"or dicts, but got {torch.typename(params)}"
             )
-        self._non_slot: list[dict[str, Tensor]] = []
+        # The group keys of the optimizer-wide state (the same in every group), from _init_non_slot.
+        self._non_slot_keys: tuple[str, ...] = ()
         defaults = {"foreach": None, **defaults}
         super().__init__(params, defaults)
 
     def __getstate__(self) -> dict[str, Any]:
         # torch pickles only defaults, state and param_groups (its hooks may not
-        # pickle); non-slot state and the attributes a subclass names travel too.
+        # pickle); the attributes a subclass names travel too.
         return {**super().__getstate__(), **{name: getattr(self, name) for name in self._pickled_attributes}}
 
     # ------------------------------------------------------------------ groups
@@ -345,7 +363,22 @@ class Optimizer(torch.optim.Optimizer):
         super().add_param_group(group)
         added = self.param_groups[-1]
         device = added["params"][0].device if added["params"] else torch.device("cpu")
-        self._non_slot.append(self._init_non_slot(added, device))
+        # A group dict copied from another optimizer's param_groups may hold its
+        # non-slot state: a new group starts fresh, as its slots do.
+        non_slot = self._init_non_slot(added, device)
+        added.update(non_slot)
+        self._non_slot_keys = tuple(non_slot)
+        self._mark_written(len(self.param_groups) - 1, added)
+
+    def _mark_written(self, index: int, group: dict[str, Any]) -> None:
+        """Remember the non-slot tensors this optimizer put in ``group`` (see ``_check_live_non_slot``)."""
+        written = self.__dict__.setdefault("_written_non_slot", {})
+        for key in self._non_slot_keys:
+            written[index, key] = group[key]
+
+    def _non_slot_of(self, group: dict[str, Any]) -> dict[str, Tensor]:
+        """The optimizer-wide state of ``group`` (the one accessor; it lives in the group dict)."""
+        return {key: group[key] for key in self._non_slot_keys}
 
     def _rename_tf_keys(self, group: dict[str, Any]) -> dict[str, Any]:
         """Move hyperparameters given under TF's argument names to their keys (``learning_rate`` -> ``lr``).
@@ -367,7 +400,14 @@ class Optimizer(torch.optim.Optimizer):
     def __setstate__(self, state: dict[str, Any]) -> None:
         # torch's optimizers fill flags missing from an older state_dict with their
         # defaults here (load_state_dict ends in __setstate__); so do these.
+        state = dict(state)
+        old_non_slot = state.pop("_non_slot", None)
         super().__setstate__(state)
+        if old_non_slot is not None:
+            # An optimizer pickled whole by the earlier layout: its non-slot state moves into its groups.
+            for group, non_slot in zip(self.param_groups, old_non_slot, strict=True):
+                group.update(non_slot)
+            self._non_slot_keys = tuple(old_non_slot[0]) if old_non_slot else ()
         flags = ["foreach", *(spec.key for spec in self._hypers if isinstance(spec, Flag))]
         for group in self.param_groups:
             for key in flags:
@@ -421,6 +461,14 @@ class Optimizer(torch.optim.Optimizer):
         Parameters without a gradient are left untouched and get no slots. When
         no parameter has a gradient the call does nothing (torch's convention;
         TF's ``apply_gradients`` raises instead).
+
+        ``torch.distributed.checkpoint`` makes the state of an optimizer that has
+        none by calling ``step()`` with zero gradients and ``lr`` 0 (its
+        ``_init_optim_state``), assuming such a step changes nothing. Here it
+        would: Ftrl and AdagradDA compute the variable in closed form from the
+        accumulators (and Ftrl refuses ``lr`` 0), every optimizer-wide counter
+        would advance. That call only creates the slots, with their initial
+        values, as TF's slot creation does.
         """
         loss = None
         if closure is not None:
@@ -438,7 +486,10 @@ class Optimizer(torch.optim.Optimizer):
                 for g, p in pairs:
                     if g.is_sparse:
                         _check_grad(type(self).__name__, g, p)
-            self._apply(grouped)
+            if _called_from_dcp_init():
+                self._create_slots(grouped)
+            else:
+                self._apply(grouped)
         return loss
 
     # ------------------------------------------------------------------ TF API
@@ -547,17 +598,16 @@ class Optimizer(torch.optim.Optimizer):
                 state = self.state.get(p)
                 if state:
                     out.extend(state[k] for k in sorted(state))
-        for non_slot in self._non_slot:
+        for group in self.param_groups:
+            non_slot = self._non_slot_of(group)
             out.extend(non_slot[k] for k in sorted(non_slot))
         return out
 
     # ------------------------------------------------------------------ checkpoints
     def state_dict(self) -> dict[str, Any]:
-        """torch's ``state_dict`` plus ``"non_slot_state"``: one dict of tensors per param group."""
+        """torch's ``state_dict``: ``state`` (slots) and ``param_groups`` (with the non-slot state)."""
         self._sync_aliases()
-        sd = super().state_dict()
-        sd["non_slot_state"] = [dict(ns) for ns in self._non_slot]
-        return sd
+        return super().state_dict()
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Load a ``state_dict``, first checking all of it: a load is all or nothing.
@@ -565,20 +615,23 @@ class Optimizer(torch.optim.Optimizer):
         Raises ``ValueError`` or ``TypeError`` (and changes nothing) when the
         groups differ in number or size, a saved hyperparameter fails the
         constructor's checks, a saved slot is missing or not a floating tensor
-        of the parameter's shape, or the non-slot state is missing, incomplete,
-        of the wrong shape or kind, or not finite.
+        of the parameter's shape, or a group's non-slot state is missing, of the
+        wrong shape or kind, not finite or out of range. A state dict in the
+        earlier layout (non-slot state under a top-level ``"non_slot_state"``
+        list, one dict per group) loads too.
         """
-        state_dict = dict(state_dict)
-        non_slot = self._validate_state_dict(state_dict)
-        state_dict.pop("non_slot_state", None)
+        state_dict = _merge_old_non_slot(type(self).__name__, state_dict)
+        self._validate_state_dict(state_dict)
+        current = [self._non_slot_of(group) for group in self.param_groups]
         super().load_state_dict(state_dict)
-        self._non_slot = [
-            {k: v.detach().to(device=ns[k].device, dtype=ns[k].dtype).clone() for k, v in saved_ns.items()}
-            for saved_ns, ns in zip(non_slot, self._non_slot, strict=True)
-        ]
+        # The loaded tensors, copied, in the kind and on the device this optimizer keeps them.
+        for index, (group, ns) in enumerate(zip(self.param_groups, current, strict=True)):
+            for key, value in ns.items():
+                group[key] = group[key].detach().to(device=value.device, dtype=value.dtype).clone()
+            self._mark_written(index, group)
 
-    def _validate_state_dict(self, state_dict: dict[str, Any]) -> list[dict[str, Tensor]]:
-        """Check everything ``load_state_dict`` will load; return the non-slot state to load."""
+    def _validate_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Check everything ``load_state_dict`` will load (the non-slot state is in the groups)."""
         saved_groups = state_dict.get("param_groups")
         if not isinstance(saved_groups, list) or not isinstance(state_dict.get("state"), dict):
             raise ValueError("state_dict must hold 'state' and 'param_groups' (from Optimizer.state_dict())")
@@ -619,25 +672,84 @@ class Optimizer(torch.optim.Optimizer):
                         f"{cls}: loaded slot {slot!r} of parameter {pid} has shape "
                         f"{tuple(value.shape)}, expected the parameter's shape {tuple(p.shape)}"
                     )
-        non_slot = state_dict.get("non_slot_state")
-        if non_slot is None:
-            non_slot = [{} for _ in self.param_groups] if not any(self._non_slot) else None
-        if not isinstance(non_slot, list) or len(non_slot) != len(self.param_groups):
-            raise ValueError(f"{cls}: loaded state dict lacks 'non_slot_state' for each parameter group")
-        for i, (saved_ns, ns) in enumerate(zip(non_slot, self._non_slot, strict=True)):
-            if not isinstance(saved_ns, dict) or set(saved_ns) != set(ns):
-                held = sorted(saved_ns) if isinstance(saved_ns, dict) else saved_ns
+        for i, (saved, group) in enumerate(zip(saved_groups, self.param_groups, strict=True)):
+            missing = [key for key in self._non_slot_keys if key not in saved]
+            if missing:
                 raise ValueError(
-                    f"{cls}: loaded non-slot state of group {i} holds {held!r}, expected {sorted(ns)}"
+                    f"{cls}: loaded param group {i} lacks the non-slot state {missing} "
+                    f"(it holds {sorted(k for k in saved if k != 'params')}); "
+                    "was it saved from another optimizer?"
                 )
-            for key, value in saved_ns.items():
-                _check_non_slot(cls, f"{key} (group {i})", value, ns[key])
+            for key, value in self._non_slot_of(group).items():
+                _check_non_slot(cls, f"{key} (group {i})", saved[key], value)
             for spec in self._non_slot_ranges:
-                if spec.key in saved_ns:
-                    spec.check(float(saved_ns[spec.key]))
-        return non_slot
+                if spec.key in self._non_slot_keys:
+                    spec.check(float(saved[spec.key]))
 
     # ------------------------------------------------------------------ the update path
+    def _create_slots(
+        self, grouped: dict[int, list[tuple[Tensor, Tensor]]], evaluated: list[dict[str, Any]] | None = None
+    ) -> None:
+        """Create the slots of parameters that have none yet, their initial values checked first.
+
+        ``evaluated`` holds each group's evaluated hyperparameters when an update
+        follows; without it only the slots' initial values are evaluated.
+        """
+        initial_values = tuple(
+            spec for spec in self._hypers if isinstance(spec, Hyper) and spec.in_param_dtype
+        )
+        for gi, pairs in grouped.items():
+            group = self.param_groups[gi]
+            fresh = {p.dtype for _, p in pairs if not self.state.get(p)}
+            if fresh:
+                values = evaluated[gi] if evaluated is not None else _evaluate(group, initial_values)
+                _check_slot_values(values, self._hypers, fresh)
+        for gi, pairs in grouped.items():
+            group = self.param_groups[gi]
+            for _, p in pairs:
+                if not self.state.get(p):
+                    # An optimizer without slots leaves `state` empty, as torch's SGD does.
+                    slots = self._init_slots(group, p)
+                    if slots:
+                        self.state[p] = slots
+
+    def _check_live_non_slot(self, index: int, group: dict[str, Any]) -> None:
+        """Check a group's non-slot state as the update is about to read it.
+
+        It lives in the group dict, where tools write without going through
+        ``load_state_dict`` (``ZeroRedundancyOptimizer.load_state_dict`` copies
+        the saved group entries straight into its local optimizer), and so can
+        code. A tensor this optimizer put there itself (at construction, load or
+        its last update) is trusted. Any other is checked: its kind, and, as for
+        hyperparameters (``_evaluate``), its range when it is a CPU tensor, read
+        on the host without a device synchronisation.
+        """
+        cls = type(self).__name__
+        ranges = {spec.key: spec for spec in self._non_slot_ranges}
+        written = self.__dict__.get("_written_non_slot", {})
+        for key in self._non_slot_keys:
+            value = group.get(key)
+            if written.get((index, key)) is value:
+                continue
+            if (
+                not isinstance(value, Tensor)
+                or value.dim() != 0
+                or value.dtype == torch.bool
+                or value.is_complex()
+                or value.is_meta
+            ):
+                raise TypeError(
+                    f"{cls}: the non-slot state {key!r} of param group {index} must be a 0-d real tensor, "
+                    f"got {_describe(value) if key in group else 'nothing'}"
+                )
+            if value.device.type != "cpu":
+                continue
+            number = float(value)
+            if key in ranges:
+                ranges[key]._check_number(number, ())
+            elif not math.isfinite(number):
+                raise ValueError(f"Invalid {key} value: {number!r}; expected a finite number")
+
     def _use_foreach(self, group: dict[str, Any], params: list[Tensor]) -> bool:
         foreach = group["foreach"]
         if foreach is None:
@@ -698,21 +810,17 @@ class Optimizer(torch.optim.Optimizer):
         sparse: dict[int, list[tuple[Tensor, Tensor]]] = {}
         for gi, pairs in grouped.items():
             for g, p in pairs:
+                if isinstance(p, DTensor) or isinstance(g, DTensor):
+                    _check_dtensor_grad(type(self).__name__, g, p)
                 (sparse if g.is_sparse else dense).setdefault(gi, []).append((g, p))
         # Every group's values are checked before any group is updated: a step is all or nothing.
         evaluated = [_evaluate(group, self._hypers) for group in self.param_groups]
-        for gi, pairs in grouped.items():
-            fresh = {p.dtype for _, p in pairs if not self.state.get(p)}
-            if fresh:
-                _check_slot_values(evaluated[gi], self._hypers, fresh)
+        if not torch.compiler.is_compiling():
+            for i, group in enumerate(self.param_groups):
+                self._check_live_non_slot(i, group)
+        self._create_slots(grouped, evaluated)
         for gi, (group, values) in enumerate(zip(self.param_groups, evaluated, strict=True)):
-            non_slot = self._non_slot[gi]
-            for _, p in dense.get(gi, []) + sparse.get(gi, []):
-                if not self.state.get(p):
-                    # An optimizer without slots leaves `state` empty, as torch's SGD does.
-                    slots = self._init_slots(group, p)
-                    if slots:
-                        self.state[p] = slots
+            non_slot = self._non_slot_of(group)
             buckets: dict[tuple[torch.device, torch.dtype], list[tuple[Tensor, Tensor]]] = {}
             for g, p in dense.get(gi, []):
                 buckets.setdefault((p.device, p.dtype), []).append((g, p))
@@ -722,6 +830,7 @@ class Optimizer(torch.optim.Optimizer):
                     params = [p for _, p in chunk]
                     grads = [g for g, _ in chunk]
                     slots = [self.state.get(p, {}) for p in params]
+                    params, grads, slots = _local_shards(params, grads, slots)
                     with _working_precision(params, grads, slots) as (ps, gs, ss):
                         self._apply_dense(group, ps, gs, ss, non_slot, hyper)
             for g, p in sparse.get(gi, []):
@@ -734,6 +843,84 @@ class Optimizer(torch.optim.Optimizer):
                 with _working_precision([p], [grad_values], [self.state.get(p, {})]) as (ps, gs, ss):
                     self._apply_sparse(group, ps[0], indices, gs[0], ss[0], non_slot, hyper)
             self._finish(group, non_slot, values)
+            group.update(non_slot)
+            self._mark_written(gi, group)
+
+
+def _called_from_dcp_init() -> bool:
+    """Whether ``torch.distributed.checkpoint``'s ``_init_optim_state`` is the caller (a few frames up).
+
+    Wrappers' ``step`` and torch's step hooks may sit in between. Should torch
+    rename the function, its zero-gradient step becomes an ordinary step again:
+    Ftrl then refuses its ``lr`` of 0 (loudly), and the other optimizers take
+    the step, whose state the checkpoint's then overwrites. Under
+    ``torch.compile`` nothing is looked up (DCP does not compile its call).
+    """
+    if torch.compiler.is_compiling():
+        return False
+    frame = sys._getframe(2)
+    for _ in range(16):
+        if frame is None:
+            return False
+        code = frame.f_code
+        if code.co_name == "_init_optim_state" and frame.f_globals.get("__name__") == _DCP_STATE_DICT:
+            return True
+        frame = frame.f_back
+    return False
+
+
+_DCP_STATE_DICT = "torch.distributed.checkpoint.state_dict"
+
+
+def _check_dtensor_grad(cls: str, g: Tensor, p: Tensor) -> None:
+    """A DTensor parameter's gradient must be a dense DTensor laid out as it (see ``_local_shards``)."""
+    if g.is_sparse:
+        raise ValueError(
+            f"{cls}: sparse gradients of DTensor parameters are not supported (variable {_describe(p)}); "
+            "FSDP2 and tensor parallelism produce dense gradients"
+        )
+    if (
+        not isinstance(p, DTensor)
+        or not isinstance(g, DTensor)
+        or g.placements != p.placements
+        or g.device_mesh != p.device_mesh
+    ):
+
+        def layout(t: Tensor) -> str:
+            return (
+                f"placements {t.placements} on {t.device_mesh}"
+                if isinstance(t, DTensor)
+                else "a plain tensor"
+            )
+
+        raise ValueError(
+            f"{cls}: the gradient of {_describe(p)} ({layout(p)}) must be laid out as its variable, with the "
+            f"same placements and mesh; got {layout(g)}"
+        )
+
+
+def _local_shards(
+    params: list[Tensor], grads: list[Tensor], slots: list[dict[str, Tensor]]
+) -> tuple[list[Tensor], list[Tensor], list[dict[str, Tensor]]]:
+    """The local shards of DTensor parameters, gradients and slots; plain tensors as given.
+
+    Every update rule of this package is elementwise, so a rank updating its
+    own shard computes exactly what the unsharded update computes for those
+    elements, with no communication. That needs the gradient laid out as the
+    parameter (FSDP2's reduce-scattered ``Shard(0)`` gradients are); a
+    ``Partial`` gradient (not yet reduced) or another layout is refused
+    before anything changes (``_check_dtensor_grad``). The
+    slots were made by ``*_like(param)`` and are sharded as the parameter.
+    Working on the local tensors also keeps the foreach path's scratch buffers
+    (plain tensors, see ``Optimizer._scratch``) and 0-d hyperparameter tensors
+    out of DTensor's dispatch, which refuses to mix them.
+    """
+    if not any(isinstance(p, DTensor) for p in params):
+        return params, grads, slots
+    local_params = [p.to_local() if isinstance(p, DTensor) else p for p in params]
+    local_grads = [g.to_local() if isinstance(g, DTensor) else g for g in grads]
+    local_slots = [{k: v.to_local() if isinstance(v, DTensor) else v for k, v in s.items()} for s in slots]
+    return local_params, local_grads, local_slots
 
 
 def pick_impl(
@@ -870,6 +1057,14 @@ def compute_gradients(
         create_graph=False,
         retain_graph=False,
     )
+    if all(g is None for g in grads) and any(isinstance(v, DTensor) for v in var_list):
+        # FSDP2 computes with all-gathered copies of its sharded parameters and hands
+        # their gradients back only through its backward hooks.
+        raise ValueError(
+            "No gradients reached the DTensor variables: parameters sharded by FSDP2 (fully_shard) get "
+            "their gradients through loss.backward(), not torch.autograd.grad; use loss.backward() "
+            "then step() (apply_gradients takes the resulting p.grad too)"
+        )
     return list(zip(grads, var_list, strict=True))
 
 
@@ -949,6 +1144,31 @@ def _check_non_slot(cls: str, name: str, value: Any, current: Tensor) -> None:
         )
     if value.is_meta or not bool(torch.isfinite(value).all()):
         raise ValueError(f"Invalid {name} value: {value!r}; expected finite numbers")
+
+
+def _merge_old_non_slot(cls: str, state_dict: Any) -> Any:
+    """A state dict of the earlier layout (top-level ``"non_slot_state"``) in the current one.
+
+    Each group's non-slot dict moves into its param group; anything else is
+    returned as given, for ``_validate_state_dict`` to judge.
+    """
+    if not isinstance(state_dict, dict) or "non_slot_state" not in state_dict:
+        return state_dict
+    state_dict = dict(state_dict)
+    old, groups = state_dict.pop("non_slot_state"), state_dict.get("param_groups")
+    if not isinstance(groups, list):
+        return state_dict
+    if (
+        not isinstance(old, list)
+        or len(old) != len(groups)
+        or not all(isinstance(ns, dict) and isinstance(g, dict) for ns, g in zip(old, groups, strict=True))
+    ):
+        raise ValueError(
+            f"{cls}: loaded 'non_slot_state' (the earlier layout) must be a list of one dict per "
+            f"parameter group ({len(groups)}), got {_describe(old)}"
+        )
+    state_dict["param_groups"] = [{**g, **ns} for g, ns in zip(groups, old, strict=True)]
+    return state_dict
 
 
 def _check_grad(cls: str, g: Any, p: Tensor) -> None:

@@ -107,6 +107,7 @@ class OptimizerWrapper(torch.optim.Optimizer):
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         self._optimizer.add_param_group(param_group)
+        self._mirror(self._wrapper_state())
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         self._optimizer.zero_grad(set_to_none=set_to_none)
@@ -267,14 +268,120 @@ class OptimizerWrapper(torch.optim.Optimizer):
                 global_step.add_(1)
 
     # ------------------------------------------------------------------ checkpoints
+    def _wrapper_state(self) -> dict[str, Any]:
+        """This wrapper's optimizer-wide state (copies), by param-group key; none by default."""
+        return {}
+
+    def _wrapper_param_state(self) -> dict[int, dict[str, Any]]:
+        """This wrapper's per-parameter state (copies), by parameter index, then ``state`` key."""
+        return {}
+
+    def _load_wrapper(self, values: dict[str, Any], per_param: dict[int, dict[str, Any]]) -> None:
+        """Check, then restore, what the two methods above returned; on error raise and change nothing."""
+
+    def _values_from_old_layout(
+        self, state_dict: dict[str, Any]
+    ) -> tuple[dict[str, Any], dict[int, dict[str, Any]]]:
+        """The wrapper's state from a state dict of the earlier ``{"optimizer": ..., ...}`` layout."""
+        return {}, {}
+
     def state_dict(self) -> dict[str, Any]:
-        """``{"optimizer": <the wrapped optimizer's state_dict>}``; subclasses add their state."""
-        return {"optimizer": self._optimizer.state_dict()}
+        """torch's two keys: the wrapped optimizer's ``state`` and ``param_groups``, with the wrapper's state.
+
+        Optimizer-wide wrapper state (the loss scale and its counter) is a copy
+        in every param group, per-parameter state (AGN's accumulators) sits
+        beside the wrapped optimizer's slots, so tools that keep only
+        ``state`` and ``param_groups`` (``torch.distributed.checkpoint``,
+        frameworks) keep it too.
+        """
+        inner = self._optimizer.state_dict()
+        extra = self._wrapper_state()
+        groups = [{**group, **{k: _copy(v) for k, v in extra.items()}} for group in inner["param_groups"]]
+        state = dict(inner["state"])
+        for index, values in self._wrapper_param_state().items():
+            state[index] = {**state.get(index, {}), **values}
+        self._mirror(extra)
+        return {"state": state, "param_groups": groups}
+
+    def _mirror(self, extra: dict[str, Any]) -> None:
+        """Copy the wrapper's group keys into the live param groups too.
+
+        ``torch.distributed.checkpoint`` with ``flatten_optimizer_state_dict``
+        rebuilds the groups from the keys the live groups hold. The values
+        there are a snapshot, taken at construction and at every
+        ``state_dict()``, ``load_state_dict()`` and ``add_param_group()``; the
+        wrapper's own attributes (``loss_scale``, ``local_step``) are the truth.
+        """
+        for group in self.param_groups:
+            group.update({k: _copy(v) for k, v in extra.items()})
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        if "optimizer" not in state_dict:
-            raise ValueError(
-                f"{type(self).__name__}.load_state_dict expects the dict from its state_dict(), with key "
-                f"'optimizer'; got keys {sorted(state_dict)}"
+        """Load :meth:`state_dict`'s output (or the earlier ``{"optimizer": ...}`` layout); all or nothing."""
+        if not isinstance(state_dict, dict):
+            raise TypeError(
+                f"{type(self).__name__}.load_state_dict expects a dict, got {_describe(state_dict)}"
             )
-        self._optimizer.load_state_dict(state_dict["optimizer"])
+        if "optimizer" in state_dict and "param_groups" not in state_dict:
+            inner = state_dict["optimizer"]
+            extra, per_param = self._values_from_old_layout(state_dict)
+        else:
+            inner, extra, per_param = self._split(state_dict)
+        previous = self._wrapper_state(), self._wrapper_param_state()
+        self._load_wrapper(extra, per_param)
+        try:
+            self._optimizer.load_state_dict(inner)
+        except Exception:
+            self._load_wrapper(*previous)
+            raise
+        self._mirror(extra)
+
+    def _split(
+        self, state_dict: dict[str, Any]
+    ) -> tuple[dict[str, Any], dict[str, Any], dict[int, dict[str, Any]]]:
+        """The wrapped optimizer's state dict, and this wrapper's state taken out of it."""
+        cls = type(self).__name__
+        groups, state = state_dict.get("param_groups"), state_dict.get("state")
+        if not isinstance(groups, list) or not groups or not isinstance(state, dict):
+            raise ValueError(
+                f"{cls}.load_state_dict expects the dict from its state_dict(), with 'state' and "
+                f"'param_groups'; got keys {sorted(state_dict)}"
+            )
+        first = groups[0] if isinstance(groups[0], dict) else {}
+        keys = self._wrapper_keys(first)
+        missing = sorted(k for k in keys if k not in first)
+        if missing:
+            raise ValueError(
+                f"{cls}: loaded param group 0 lacks this wrapper's state {missing}; "
+                "was it saved from another optimizer?"
+            )
+        extra = {k: first[k] for k in keys}
+        groups = [{k: v for k, v in g.items() if k not in keys} if isinstance(g, dict) else g for g in groups]
+        param_keys = self._wrapper_param_keys()
+        # Saved parameter ids are ints from state_dict(), or names from DCP's
+        # set_state_dict; either way the i-th id listed in the groups is parameter i.
+        position = {
+            pid: i
+            for i, pid in enumerate(pid for g in groups if isinstance(g, dict) for pid in g.get("params", []))
+        }
+        per_param: dict[int, dict[str, Any]] = {}
+        inner_state: dict[Any, Any] = {}
+        for pid, values in state.items():
+            if isinstance(values, dict) and param_keys and pid in position:
+                per_param[position[pid]] = {k: v for k, v in values.items() if k in param_keys}
+                values = {k: v for k, v in values.items() if k not in param_keys}
+                if not values:
+                    continue
+            inner_state[pid] = values
+        return {**state_dict, "state": inner_state, "param_groups": groups}, extra, per_param
+
+    def _wrapper_keys(self, saved_group: dict[str, Any]) -> set[str]:
+        """The keys of this wrapper's state in a saved param group (by default: those it saves)."""
+        return set(self._wrapper_state())
+
+    def _wrapper_param_keys(self) -> set[str]:
+        """The ``state`` keys of :meth:`_wrapper_param_state`."""
+        return {key for values in self._wrapper_param_state().values() for key in values}
+
+
+def _copy(value: Any) -> Any:
+    return value.detach().clone() if isinstance(value, Tensor) else value

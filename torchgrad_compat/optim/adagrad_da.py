@@ -45,8 +45,8 @@ class AdagradDAOptimizer(Optimizer):
     ``apply_gradients(..., global_step=global_step)`` or by the caller). When
     ``global_step`` is None, the optimizer keeps its own int64 counter
     (non-slot state ``global_step``, one per param group, starting at 0,
-    advanced once per ``step``/``apply_gradients`` call and saved in
-    ``state_dict()["non_slot_state"]``), so :math:`T = 1, 2, 3, \dots` as in TF
+    advanced once per ``step``/``apply_gradients`` call, kept in the param
+    group as ``group["global_step"]`` and saved with it), so :math:`T = 1, 2, 3, \dots` as in TF
     with the global step passed to ``apply_gradients``.
 
     Sparse gradients (row-sparse COO) are lazy, as in TF: duplicate rows are

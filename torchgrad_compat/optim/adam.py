@@ -33,7 +33,8 @@ class AdamOptimizer(Optimizer):
     Non-slot state: ``beta1_power`` and ``beta2_power``, float32, starting at
     ``beta1`` and ``beta2``: one pair per param group (TF keeps one per
     optimizer), advanced once per call whether or not a parameter had a
-    gradient, and saved in ``state_dict()["non_slot_state"]``.
+    gradient, kept in the param group (``group["beta1_power"]``) and so saved
+    in ``state_dict()["param_groups"]``.
 
     Each param group also holds torch's ``betas = (beta1, beta2)``, so that
     schedulers which cycle momentum (``OneCycleLR``, ``CyclicLR``) find and
