@@ -18,8 +18,9 @@ Cases:
   optimizer in float32 and float64, one with a non-default ``name=``, and Adam
   inside ``MixedPrecisionLossScaleOptimizer`` (a dynamic loss scale that grows
   and, at non-finite gradients, skips and shrinks);
-- ``object``: the same optimizers, eager, in ``tf.train.Checkpoint(model=...,
-  optimizer=..., step=...)``, whose names are object paths.
+- ``object``: the same optimizers (float32) and the loss-scale case, eager, in
+  ``tf.train.Checkpoint(model=..., optimizer=..., step=...)``, whose names are
+  object paths.
 
 Output: ``manifest.json`` (one entry per case); per case a folder with the
 checkpoint (and its ``checkpoint`` state file) and ``arrays.npz`` holding
@@ -97,11 +98,17 @@ def cases() -> list[dict[str, Any]]:
     out.append(
         _case("name-Adam-renamed-float32", "Adam", {"learning_rate": 0.1}, "float32", "name", "MyAdam")
     )
-    out.append(
-        _case(
-            "name-Adam-loss_scale-float32", "Adam", {"learning_rate": 0.1}, "float32", "name", loss_scale=True
+    for fmt in ("name", "object"):
+        out.append(
+            _case(
+                f"{fmt}-Adam-loss_scale-float32",
+                "Adam",
+                {"learning_rate": 0.1},
+                "float32",
+                fmt,
+                loss_scale=True,
+            )
         )
-    )
     return out
 
 
@@ -258,7 +265,13 @@ def run_object_based(
     step = tf.Variable(0, dtype=tf.int64)
     opt = build_optimizer(case, step)
     for k in range(1, K + M + 1):
-        opt.apply_gradients([(_grad(arrays, var, k), v) for var, v in variables.items()], global_step=step)
+        pairs = [(_grad(arrays, var, k), v) for var, v in variables.items()]
+        if case["loss_scale"]:
+            # The loss-scale optimizer does not advance the step when it skips; count steps here.
+            opt.apply_gradients(pairs)
+            step.assign_add(1)
+        else:
+            opt.apply_gradients(pairs, global_step=step)
         if k == K:
             prefix = tf.train.Checkpoint(model=model, optimizer=opt, step=step).save(str(folder / "ckpt"))
     finals = {key: value.numpy() for key, value in _final(opt, variables).items()}

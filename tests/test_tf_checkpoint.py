@@ -91,17 +91,7 @@ class Run:
         )
 
     def step(self, k: int) -> None:
-        arrays = _arrays(self.case["id"])
-        pairs = []
-        for var, t in self.tensors.items():
-            if f"grad/{var}/{k}" in arrays:
-                grad = torch.tensor(arrays[f"grad/{var}/{k}"])
-                pairs.append((grad.T.contiguous() if var == KERNEL else grad, t))
-            else:
-                indices = torch.tensor(arrays[f"grad/{var}/{k}/indices"])[None]
-                values = torch.tensor(arrays[f"grad/{var}/{k}/values"])
-                pairs.append((torch.sparse_coo_tensor(indices, values, t.shape, check_invariants=True), t))
-        self.opt.apply_gradients(pairs)
+        self.opt.apply_gradients(_pairs(self, k))
 
     def finals(self) -> dict[str, np.ndarray]:
         """Ours, keyed as the fixtures' ``final/...`` arrays, in TF's layout."""
@@ -118,6 +108,21 @@ class Run:
             out["final/loss_scale/current_loss_scale"] = self.opt.loss_scale().numpy().copy()
             out["final/loss_scale/good_steps"] = self.opt.loss_scale.good_steps.numpy().copy()
         return out
+
+
+def _pairs(run: Run, k: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Step ``k``'s (gradient, tensor) pairs: dense, the kernel's transposed, the embedding's row-sparse."""
+    arrays = _arrays(run.case["id"])
+    pairs = []
+    for var, t in run.tensors.items():
+        if f"grad/{var}/{k}" in arrays:
+            grad = torch.tensor(arrays[f"grad/{var}/{k}"])
+            pairs.append((grad.T.contiguous() if var == KERNEL else grad, t))
+        else:
+            indices = torch.tensor(arrays[f"grad/{var}/{k}/indices"])[None]
+            values = torch.tensor(arrays[f"grad/{var}/{k}/values"])
+            pairs.append((torch.sparse_coo_tensor(indices, values, t.shape, check_invariants=True), t))
+    return pairs
 
 
 def _assert_close(ours: dict[str, np.ndarray], theirs: dict[str, np.ndarray], dtype: str) -> None:
@@ -437,3 +442,34 @@ def test_variables_without_optimizer_leave_slots_unused() -> None:
     np.testing.assert_array_equal(bias.numpy(), _arrays(ADAM["id"])["saved/dense/bias"])
     assert info.loaded == ["dense/bias", "global_step"]
     assert "dense/bias/Adam" in info.unused and "beta1_power" in info.unused
+
+
+def test_adagrad_da_global_step_tensor_is_loaded_and_saved(tmp_path: Path) -> None:
+    """An AdagradDA given TF's global step as a tensor reads it: the load sets it, the save writes it."""
+    case = next(c for c in NAME_BASED if c["id"] == "name-AdagradDA-default-float32")
+    run = Run(case, init=False)
+    global_step = torch.tensor(0)
+    run.inner = run.opt = tgo.AdagradDAOptimizer(
+        list(run.tensors.values()), global_step=global_step, **case["kwargs"]
+    )
+    run.load()
+    assert int(global_step) == case["steps_before"]
+    for k in range(case["steps_before"] + 1, case["steps_before"] + case["steps_after"] + 1):
+        run.opt.apply_gradients(_pairs(run, k), global_step=global_step)
+    _assert_close(run.finals(), _tf_finals(case), case["dtype"])
+    with pytest.raises(ValueError, match="global_step=2 disagrees with AdagradDAOptimizer's step 6"):
+        save_tf_checkpoint(tmp_path / "model.ckpt", run.var_map(), run.opt, global_step=2)
+    save_tf_checkpoint(tmp_path / "model.ckpt", run.var_map(), run.opt)
+    assert ("global_step", (), "int64") in list_tf_checkpoint(tmp_path)
+
+
+def test_multiple_param_groups_share_optimizer_wide_state() -> None:
+    run = Run(ADAM, init=False)
+    tensors = list(run.tensors.values())
+    run.inner = run.opt = tgo.AdamOptimizer(
+        [{"params": tensors[:1]}, {"params": tensors[1:]}], **ADAM["kwargs"]
+    )
+    run.load()
+    saved = _arrays(ADAM["id"])
+    for group_state in run.inner.state_dict()["non_slot_state"]:
+        np.testing.assert_array_equal(group_state["beta1_power"].numpy(), saved["saved/beta1_power"])

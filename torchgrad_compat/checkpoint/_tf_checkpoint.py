@@ -72,13 +72,15 @@ def _optimizer_wide_state(opt: tgo.Optimizer) -> list[dict[str, Tensor]]:
     return opt._non_slot
 
 
-def _unwrap(optimizer: Any) -> tuple[tgo.Optimizer | None, DynamicLossScale | None]:
-    """(the optimizer of the ten, the dynamic loss scale of a LossScaleOptimizer around it)."""
+def _unwrap(optimizer: Any) -> tuple[tgo.Optimizer | None, DynamicLossScale | None, bool]:
+    """(the optimizer of the ten, the dynamic loss scale around it, whether a LossScaleOptimizer wraps it)."""
     if optimizer is None:
-        return None, None
+        return None, None, False
     loss_scale = None
+    in_loss_scale_optimizer = False
     while isinstance(optimizer, OptimizerWrapper):
         if isinstance(optimizer, LossScaleOptimizer):
+            in_loss_scale_optimizer = True
             if isinstance(optimizer.loss_scale, DynamicLossScale):
                 loss_scale = optimizer.loss_scale
         optimizer = optimizer.inner_optimizer
@@ -87,7 +89,7 @@ def _unwrap(optimizer: Any) -> tuple[tgo.Optimizer | None, DynamicLossScale | No
             "optimizer must be one of torchgrad_compat.optim's optimizers (or a LossScaleOptimizer "
             f"around one), got {type(optimizer).__name__}: TF's slots exist only for those"
         )
-    return optimizer, loss_scale
+    return optimizer, loss_scale, in_loss_scale_optimizer
 
 
 def _slot_order(opt: tgo.Optimizer, group: dict[str, Any]) -> tuple[str, ...]:
@@ -109,9 +111,13 @@ def _default_name(opt: tgo.Optimizer) -> str:
 class _Names:
     """TF's names for variables and optimizer state, name-based (TF1 Saver) or object-based (TF2)."""
 
-    def __init__(self, object_based: bool, optimizer_name: str):
+    def __init__(self, object_based: bool, optimizer_name: str, in_loss_scale_optimizer: bool = False):
         self.object_based = object_based
-        self.optimizer_name = optimizer_name
+        self.loss_scale_path = optimizer_name
+        # TF's MixedPrecisionLossScaleOptimizer tracks the optimizer it wraps as ``base_optimizer``.
+        self.optimizer_name = (
+            f"{optimizer_name}/base_optimizer" if object_based and in_loss_scale_optimizer else optimizer_name
+        )
 
     def variable(self, key: str) -> str:
         if self.object_based and not key.endswith(_ATTRIBUTE):
@@ -128,7 +134,7 @@ class _Names:
         return f"{self.optimizer_name}/{name}{_ATTRIBUTE}" if self.object_based else name
 
     def loss_scale(self, name: str) -> str:
-        return f"{self.optimizer_name}/loss_scale/{name}{_ATTRIBUTE}" if self.object_based else name
+        return f"{self.loss_scale_path}/loss_scale/{name}{_ATTRIBUTE}" if self.object_based else name
 
 
 # ---------------------------------------------------------------------- arguments
@@ -277,12 +283,12 @@ def load_tf_checkpoint(
     """
     reader = BundleReader(_resolve_prefix(path))
     parsed = _parse_var_map(var_map)
-    opt, loss_scale = _unwrap(optimizer)
+    opt, loss_scale, in_lso = _unwrap(optimizer)
     object_based = _OBJECT_GRAPH in reader.entries
     if optimizer_name is not None and (not isinstance(optimizer_name, str) or not optimizer_name):
         raise TypeError(f"optimizer_name must be a non-empty str, got {optimizer_name!r}")
     default = "optimizer" if object_based else (_default_name(opt) if opt is not None else "")
-    names = _Names(object_based, optimizer_name or default)
+    names = _Names(object_based, optimizer_name or default, in_lso)
 
     global_step_name = next(
         (n for n in _GLOBAL_STEP_NAMES["object" if object_based else "name"] if n in reader.entries), None
@@ -414,7 +420,7 @@ def save_tf_checkpoint(
     if os.path.isdir(prefix):
         raise ValueError(f"path {prefix!r} is a directory; give a checkpoint prefix such as 'dir/model.ckpt'")
     parsed = _parse_var_map(var_map)
-    opt, loss_scale = _unwrap(optimizer)
+    opt, loss_scale, _ = _unwrap(optimizer)
     if optimizer_name is not None and (not isinstance(optimizer_name, str) or not optimizer_name):
         raise TypeError(f"optimizer_name must be a non-empty str, got {optimizer_name!r}")
     names = _Names(False, optimizer_name or (_default_name(opt) if opt is not None else ""))
