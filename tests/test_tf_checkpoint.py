@@ -473,3 +473,16 @@ def test_multiple_param_groups_share_optimizer_wide_state() -> None:
     saved = _arrays(ADAM["id"])
     for group_state in run.inner.state_dict()["non_slot_state"]:
         np.testing.assert_array_equal(group_state["beta1_power"].numpy(), saved["saved/beta1_power"])
+
+
+def test_cross_shard_optimizer_is_seen_through() -> None:
+    """A CrossShardOptimizer adds no state of its own: the slots are its inner optimizer's."""
+    from torchgrad_compat.xla import CrossShardOptimizer
+
+    run = Run(ADAM, init=False)
+    with pytest.warns(UserWarning, match="no torch.distributed process group"):
+        run.opt = CrossShardOptimizer(run.inner)
+    run.load()
+    for k in range(ADAM["steps_before"] + 1, ADAM["steps_before"] + ADAM["steps_after"] + 1):
+        run.step(k)
+    _assert_close(run.finals(), _tf_finals(ADAM), ADAM["dtype"])
