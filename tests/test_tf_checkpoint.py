@@ -486,3 +486,10 @@ def test_cross_shard_optimizer_is_seen_through() -> None:
     for k in range(ADAM["steps_before"] + 1, ADAM["steps_before"] + ADAM["steps_after"] + 1):
         run.step(k)
     _assert_close(run.finals(), _tf_finals(ADAM), ADAM["dtype"])
+
+
+def test_load_is_a_write_autograd_sees() -> None:
+    bias = torch.nn.Parameter(torch.zeros(4))
+    version = bias._version
+    load_tf_checkpoint(FIXTURES / ADAM["prefix"], {"dense/bias": bias})
+    assert bias._version > version
