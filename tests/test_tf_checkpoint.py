@@ -493,3 +493,14 @@ def test_load_is_a_write_autograd_sees() -> None:
     version = bias._version
     load_tf_checkpoint(FIXTURES / ADAM["prefix"], {"dense/bias": bias})
     assert bias._version > version
+
+
+def test_save_refuses_what_tf_cannot_hold(tmp_path: Path) -> None:
+    a, b = torch.nn.Parameter(torch.zeros(2)), torch.nn.Parameter(torch.zeros(3))
+    opt = tgo.AdamOptimizer([{"params": [a]}, {"params": [b], "beta1": 0.5}])
+    with pytest.raises(ValueError, match="the param groups hold different beta1_power"):
+        save_tf_checkpoint(tmp_path / "model.ckpt", {"a": a, "b": b}, opt)
+    opt = tgo.AdamOptimizer([a, b])
+    with pytest.raises(ValueError, match="two tensors would be saved as 'a/Adam'"):
+        save_tf_checkpoint(tmp_path / "model.ckpt", {"a": a, "a/Adam": b}, opt)
+    assert not list(tmp_path.iterdir())

@@ -231,6 +231,59 @@ def _to_tf_layout(value: Tensor, perm: tuple[int, ...] | None) -> Tensor:
     return value.permute(inverse)
 
 
+@dataclass
+class _Target:
+    name: str
+    tensor: Tensor
+    perm: tuple[int, ...] | None = None
+    integer: bool = False  # an integer counter: any integer dtype is accepted
+    shared: bool = False  # optimizer-wide state, one target per param group under one TF name
+
+
+def _targets(
+    parsed: dict[str, tuple[Tensor, tuple[int, ...] | None]],
+    opt: tgo.Optimizer | None,
+    loss_scale: DynamicLossScale | None,
+    names: _Names,
+    step_name: str,
+) -> tuple[list[_Target], dict[Tensor, dict[str, Tensor]]]:
+    """Every tensor a TF checkpoint holds for ``var_map`` and the optimizer, under TF's names.
+
+    Also returns the slots made for parameters that have none yet (to be
+    installed only once a load has succeeded).
+    """
+    targets = [_Target(names.variable(key), tensor, perm) for key, (tensor, perm) in parsed.items()]
+    fresh: dict[Tensor, dict[str, Tensor]] = {}
+    if opt is not None:
+        group_of = {id(p): group for group in opt.param_groups for p in group["params"]}
+        for key, (tensor, perm) in parsed.items():
+            group = group_of.get(id(tensor))
+            if group is None:
+                continue  # not trained by this optimizer: no slots
+            state = opt.state.get(tensor)
+            if not state:
+                state = fresh[tensor] = opt._init_slots(group, tensor)
+            for index, slot in enumerate(_slot_order(opt, group)):
+                targets.append(_Target(names.slot(key, slot, index), state[slot], perm))
+        for cls, keys in _NON_SLOT.items():
+            if isinstance(opt, cls):
+                for key in keys:
+                    for group_state in _optimizer_wide_state(opt):
+                        targets.append(_Target(names.non_slot(key), group_state[key], shared=True))
+        if isinstance(opt, tgo.AdagradDAOptimizer):
+            # TF's AdagradDA reads the global step; this port keeps it as a tensor or its own counter.
+            if opt._global_step is not None:
+                steps = [opt._global_step]
+            else:
+                steps = [group_state["global_step"] for group_state in _optimizer_wide_state(opt)]
+            targets.extend(_Target(step_name, step, integer=True, shared=True) for step in steps)
+    if loss_scale is not None:
+        scale, good_steps = loss_scale.variables()
+        targets.append(_Target(names.loss_scale("current_loss_scale"), scale))
+        targets.append(_Target(names.loss_scale("good_steps"), good_steps, integer=True))
+    return targets, {t: slots for t, slots in fresh.items() if slots}
+
+
 # ---------------------------------------------------------------------- list / load
 def list_tf_checkpoint(path: str | os.PathLike[str]) -> list[tuple[str, tuple[int, ...], str]]:
     """Every tensor of a TF checkpoint as ``(name, shape, dtype)``, sorted by name; no TensorFlow needed.
@@ -241,14 +294,6 @@ def list_tf_checkpoint(path: str | os.PathLike[str]) -> list[tuple[str, tuple[in
     """
     reader = BundleReader(_resolve_prefix(path))
     return [(e.name, e.shape, e.dtype) for e in sorted(reader.entries.values(), key=lambda e: e.name)]
-
-
-@dataclass
-class _Target:
-    name: str
-    tensor: Tensor
-    perm: tuple[int, ...] | None = None
-    integer: bool = False  # an integer counter: any integer dtype is accepted
 
 
 def load_tf_checkpoint(
@@ -303,39 +348,8 @@ def load_tf_checkpoint(
     global_step_name = next(
         (n for n in _GLOBAL_STEP_NAMES["object" if object_based else "name"] if n in reader.entries), None
     )
-    targets: list[_Target] = []
-    fresh_slots: dict[Tensor, dict[str, Tensor]] = {}
-    for key, (tensor, perm) in parsed.items():
-        targets.append(_Target(names.variable(key), tensor, perm))
-    if opt is not None:
-        group_of = {id(p): group for group in opt.param_groups for p in group["params"]}
-        for key, (tensor, perm) in parsed.items():
-            group = group_of.get(id(tensor))
-            if group is None:
-                continue
-            state = opt.state.get(tensor) or opt._init_slots(group, tensor)
-            if state and not opt.state.get(tensor):
-                fresh_slots[tensor] = state
-            for index, slot in enumerate(_slot_order(opt, group)):
-                targets.append(_Target(names.slot(key, slot, index), state[slot], perm))
-        for cls, keys in _NON_SLOT.items():
-            if isinstance(opt, cls):
-                for key in keys:
-                    for group_state in _optimizer_wide_state(opt):
-                        targets.append(_Target(names.non_slot(key), group_state[key]))
-        if isinstance(opt, tgo.AdagradDAOptimizer):
-            steps = (
-                [opt._global_step]
-                if opt._global_step is not None
-                else [s["global_step"] for s in _optimizer_wide_state(opt)]
-            )
-            step_name = global_step_name or _GLOBAL_STEP_NAMES["object" if object_based else "name"][0]
-            targets.extend(_Target(step_name, step, integer=True) for step in steps)
-    if loss_scale is not None:
-        scale, good_steps = loss_scale.variables()
-        targets.append(_Target(names.loss_scale("current_loss_scale"), scale))
-        targets.append(_Target(names.loss_scale("good_steps"), good_steps, integer=True))
-
+    step_name = global_step_name or _GLOBAL_STEP_NAMES["object" if object_based else "name"][0]
+    targets, fresh_slots = _targets(parsed, opt, loss_scale, names, step_name)
     values = _read_checked(reader, targets)
     with torch.no_grad():
         for target, value in zip(targets, values, strict=True):
@@ -457,46 +471,30 @@ def save_tf_checkpoint(
     names = _Names(False, optimizer_name or (_default_name(opt) if opt is not None else ""))
     step = _check_step_arg(global_step)
 
+    targets, _ = _targets(parsed, opt, loss_scale, names, "global_step")
     tensors: dict[str, Tensor] = {}
-
-    def put(name: str, value: Tensor) -> None:
-        if name in tensors:
-            raise ValueError(f"two tensors would be saved as {name!r}; check var_map and optimizer_name")
-        tensors[name] = value.detach()
-
-    for key, (tensor, perm) in parsed.items():
-        put(key, _to_tf_layout(tensor, perm))
-    if opt is not None:
-        group_of = {id(p): group for group in opt.param_groups for p in group["params"]}
-        for key, (tensor, perm) in parsed.items():
-            group = group_of.get(id(tensor))
-            if group is None:
-                continue
-            state = opt.state.get(tensor) or opt._init_slots(group, tensor)
-            for index, slot in enumerate(_slot_order(opt, group)):
-                put(names.slot(key, slot, index), _to_tf_layout(state[slot], perm))
-        for cls, keys in _NON_SLOT.items():
-            if isinstance(opt, cls):
-                for key in keys:
-                    put(names.non_slot(key), _one_value(key, [s[key] for s in _optimizer_wide_state(opt)]))
-        if isinstance(opt, tgo.AdagradDAOptimizer):
-            own = (
-                opt._global_step
-                if opt._global_step is not None
-                else _one_value("global_step", [s["global_step"] for s in _optimizer_wide_state(opt)])
+    for target in targets:
+        value = _to_tf_layout(target.tensor, target.perm).detach()
+        if target.integer:
+            value = value.to(torch.int64)
+        if target.name not in tensors:
+            tensors[target.name] = value
+        elif not target.shared:
+            raise ValueError(
+                f"two tensors would be saved as {target.name!r}; check var_map and optimizer_name"
             )
-            if step is not None and int(own) != step:
-                raise ValueError(
-                    f"global_step={step} disagrees with AdagradDAOptimizer's step {int(own)}; "
-                    "TF's AdagradDA reads the global step, so the two must match"
-                )
-            step = int(own)
-    if loss_scale is not None:
-        scale, good_steps = loss_scale.variables()
-        put(names.loss_scale("current_loss_scale"), scale)
-        put(names.loss_scale("good_steps"), good_steps.to(torch.int64))
+        elif not torch.equal(tensors[target.name].cpu(), value.cpu()):
+            raise ValueError(
+                f"the param groups hold different {target.name} ({tensors[target.name].item()!r} vs "
+                f"{value.item()!r}); a TF optimizer has one"
+            )
     if step is not None:
-        put("global_step", torch.tensor(step, dtype=torch.int64))
+        own = tensors.setdefault("global_step", torch.tensor(step, dtype=torch.int64))
+        if int(own) != step:
+            raise ValueError(
+                f"global_step={step} disagrees with AdagradDAOptimizer's step {int(own)}; "
+                "TF's AdagradDA reads the global step, so the two must match"
+            )
 
     Path(prefix).parent.mkdir(parents=True, exist_ok=True)
     write_bundle(prefix, tensors)
@@ -516,18 +514,6 @@ def _check_step_arg(global_step: Any) -> int | None:
     if global_step < 0:
         raise ValueError(f"Invalid global_step value: {global_step!r}; expected a value >= 0")
     return global_step
-
-
-def _one_value(name: str, values: list[Tensor]) -> Tensor:
-    """TF keeps one copy of optimizer-wide state; the param groups must agree on it."""
-    first = values[0]
-    for other in values[1:]:
-        if not torch.equal(first.cpu(), other.cpu()):
-            raise ValueError(
-                f"the param groups hold different {name} ({first.item()!r} vs {other.item()!r}); "
-                "a TF optimizer has one"
-            )
-    return first
 
 
 def _record_in_state_file(prefix: str) -> None:
