@@ -504,3 +504,40 @@ def test_save_refuses_what_tf_cannot_hold(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="two tensors would be saved as 'a/Adam'"):
         save_tf_checkpoint(tmp_path / "model.ckpt", {"a": a, "a/Adam": b}, opt)
     assert not list(tmp_path.iterdir())
+
+
+class _Model(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.dense = torch.nn.Linear(3, 4)
+        self.embedding = torch.nn.Embedding(6, 3)
+        self.head = torch.nn.Linear(4, 2)  # not in the checkpoint
+        self.norm = torch.nn.BatchNorm1d(4)  # its buffers, not in the checkpoint
+
+
+@pytest.mark.parametrize("case", _ids([c for c in MANIFEST if c["id"].endswith("-Adam-default-float32")]))
+def test_suggest_var_map_matches_by_name_and_shape(case: dict[str, Any]) -> None:
+    from torchgrad_compat.checkpoint import suggest_var_map
+
+    model = _Model()
+    prefix = "model/" if case["format"] == "object" else ""
+    suggested = suggest_var_map(FIXTURES / case["prefix"], model)
+    assert suggested == {
+        f"{prefix}dense/bias": model.dense.bias,
+        f"{prefix}dense/kernel": (model.dense.weight, "transpose"),
+        f"{prefix}embedding/embeddings": model.embedding.weight,
+    }
+    info = load_tf_checkpoint(FIXTURES / case["prefix"], suggested, tgo.AdamOptimizer(model.parameters()))
+    assert info.unused == (["save_counter" + ATTRIBUTE] if case["format"] == "object" else [])
+
+
+def test_suggest_var_map_leaves_ambiguous_and_unmatched_out() -> None:
+    from torchgrad_compat.checkpoint import suggest_var_map
+
+    model = torch.nn.Module()
+    model.dense = torch.nn.Linear(4, 4)  # the checkpoint's kernel is [3, 4]: no layout fits
+    model.outer = torch.nn.Module()
+    model.outer.embedding = torch.nn.Embedding(6, 3)
+    model.other = torch.nn.Module()
+    model.other.embedding = torch.nn.Embedding(6, 3)  # two equally good matches
+    assert suggest_var_map(FIXTURES / ADAM["prefix"], model) == {"dense/bias": model.dense.bias}

@@ -6,6 +6,7 @@ writes one that ``tf.compat.v1.train.Saver`` restores.
 """
 
 from ._bundle import CorruptCheckpointError
+from ._suggest import suggest_var_map
 from ._tf_checkpoint import LoadInfo, list_tf_checkpoint, load_tf_checkpoint, save_tf_checkpoint
 
 __all__ = [
@@ -14,4 +15,5 @@ __all__ = [
     "list_tf_checkpoint",
     "load_tf_checkpoint",
     "save_tf_checkpoint",
+    "suggest_var_map",
 ]
