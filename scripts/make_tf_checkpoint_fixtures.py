@@ -22,6 +22,9 @@ Cases:
   ``tf.train.Checkpoint(model=..., optimizer=..., step=...)``, whose names are
   object paths.
 
+Also ``many_variables/model.ckpt``: 600 small variables, so that the index
+spans many table blocks whose keys share prefixes (see ``write_many_variables``).
+
 Output: ``manifest.json`` (one entry per case); per case a folder with the
 checkpoint (and its ``checkpoint`` state file) and ``arrays.npz`` holding
 ``init/<var>``, the gradients (``grad/<var>/<k>`` dense, or
@@ -287,8 +290,31 @@ def _saved(prefix: str) -> dict[str, np.ndarray]:
     }
 
 
+# A checkpoint whose index spans many table blocks, with shared key prefixes:
+# variable i is ``block_<i // 10>/layer_with_a_long_name_<i % 10>/kernel``,
+# shape (i % 7 + 1, 3), every element i.
+MANY = 600
+
+
+def write_many_variables(folder: Path) -> None:
+    graph = tf.Graph()
+    with graph.as_default():
+        for i in range(MANY):
+            tf.compat.v1.get_variable(
+                f"block_{i // 10}/layer_with_a_long_name_{i % 10}/kernel",
+                initializer=np.full((i % 7 + 1, 3), i, np.float32),
+                use_resource=True,
+            )
+        saver = tf.compat.v1.train.Saver(save_relative_paths=True)
+        with tf.compat.v1.Session(graph=graph) as sess:
+            sess.run(tf.compat.v1.global_variables_initializer())
+            saver.save(sess, str(folder / "model.ckpt"), write_meta_graph=False)
+
+
 def generate(out: Path) -> None:
     out.mkdir(parents=True, exist_ok=True)
+    (out / "many_variables").mkdir(exist_ok=True)
+    write_many_variables(out / "many_variables")
     manifest = []
     for case in cases():
         folder = out / case["id"]

@@ -289,6 +289,8 @@ def test_generator_reproduces_the_fixtures(run_tf_generator) -> None:
                 regenerated[key], value, rtol=rtol, atol=atol, err_msg=f"{case['id']}/{key}"
             )
         assert list_tf_checkpoint(tmp_path / case["prefix"]) == list_tf_checkpoint(FIXTURES / case["prefix"])
+    many = Path("many_variables") / "model.ckpt"
+    assert list_tf_checkpoint(tmp_path / many) == list_tf_checkpoint(FIXTURES / many)
 
 
 # ---------------------------------------------------------------------- round trip, paths
@@ -541,3 +543,28 @@ def test_suggest_var_map_leaves_ambiguous_and_unmatched_out() -> None:
     model.other = torch.nn.Module()
     model.other.embedding = torch.nn.Embedding(6, 3)  # two equally good matches
     assert suggest_var_map(FIXTURES / ADAM["prefix"], model) == {"dense/bias": model.dense.bias}
+
+
+def test_index_of_many_blocks_with_shared_key_prefixes() -> None:
+    """TF's index of 600 variables spans many table blocks with prefix-compressed keys."""
+    from torchgrad_compat.checkpoint._bundle import BundleReader
+
+    prefix = FIXTURES / "many_variables" / "model.ckpt"
+    expected = {
+        f"block_{i // 10}/layer_with_a_long_name_{i % 10}/kernel": (i, (i % 7 + 1, 3)) for i in range(600)
+    }
+    assert list_tf_checkpoint(prefix) == [(name, expected[name][1], "float32") for name in sorted(expected)]
+    reader = BundleReader(prefix)
+    for name, (value, shape) in expected.items():
+        assert torch.equal(reader.read(name), torch.full(shape, float(value))), name
+
+
+def test_many_variables_round_trip(tmp_path: Path) -> None:
+    tensors = [torch.randn(i % 7 + 1, 3, dtype=torch.float64) for i in range(600)]
+    var_map = {f"block_{i // 10}/layer_{i % 10}/kernel": t for i, t in enumerate(tensors)}
+    save_tf_checkpoint(tmp_path / "model.ckpt", var_map)
+    loaded = {name: torch.zeros_like(t) for name, t in var_map.items()}
+    info = load_tf_checkpoint(tmp_path, loaded)
+    assert info.unused == [] and info.global_step is None
+    for name, t in var_map.items():
+        assert torch.equal(loaded[name], t), name
