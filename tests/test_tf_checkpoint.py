@@ -568,3 +568,21 @@ def test_many_variables_round_trip(tmp_path: Path) -> None:
     assert info.unused == [] and info.global_step is None
     for name, t in var_map.items():
         assert torch.equal(loaded[name], t), name
+
+
+def test_save_before_the_first_step_writes_initial_slots(tmp_path: Path) -> None:
+    """TF creates slots with the graph; a saved optimizer that has not stepped holds their initial values."""
+    w = torch.nn.Parameter(torch.ones(2, 3))
+    opt = tgo.AdagradOptimizer([w], learning_rate=0.1, initial_accumulator_value=0.25)
+    save_tf_checkpoint(tmp_path / "model.ckpt", {"w": (w, "transpose")}, opt, global_step=0)
+    assert list_tf_checkpoint(tmp_path) == [
+        ("global_step", (), "int64"),
+        ("w", (3, 2), "float32"),
+        ("w/Adagrad", (3, 2), "float32"),
+    ]
+    assert not opt.state  # saving made no state
+    w2 = torch.nn.Parameter(torch.zeros(2, 3))
+    fresh = tgo.AdagradOptimizer([w2], learning_rate=0.1)
+    load_tf_checkpoint(tmp_path, {"w": (w2, "transpose")}, fresh)
+    assert torch.equal(w2.detach(), w.detach())
+    assert torch.equal(fresh.get_slot(w2, "accumulator"), torch.full((2, 3), 0.25))
