@@ -20,7 +20,6 @@ import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
-import google_crc32c
 import torch
 from torch import Tensor
 
@@ -57,6 +56,15 @@ class CorruptCheckpointError(ValueError):
 
 
 def _masked_crc(data: bytes) -> int:
+    # Imported here, not with the package: only reading or writing a checkpoint needs it
+    # (an environment installed with --no-deps still imports torchgrad_compat).
+    try:
+        import google_crc32c
+    except ImportError as error:
+        raise ImportError(
+            "reading or writing TF checkpoints needs google-crc32c (a dependency of torchgrad_compat): "
+            "pip install google-crc32c"
+        ) from error
     crc = google_crc32c.value(data)
     return (((crc >> 15) | (crc << 17)) + _MASK_DELTA) & 0xFFFFFFFF
 
