@@ -586,3 +586,17 @@ def test_save_before_the_first_step_writes_initial_slots(tmp_path: Path) -> None
     load_tf_checkpoint(tmp_path, {"w": (w2, "transpose")}, fresh)
     assert torch.equal(w2.detach(), w.detach())
     assert torch.equal(fresh.get_slot(w2, "accumulator"), torch.full((2, 3), 0.25))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_tensors_load_and_save(tmp_path: Path) -> None:
+    run = Run(ADAM, init=False)
+    model = {name: torch.nn.Parameter(t.detach().to("cuda")) for name, t in run.tensors.items()}
+    opt = tgo.AdamOptimizer(list(model.values()), **ADAM["kwargs"])
+    var_map = {name: (t, "transpose") if name == KERNEL else t for name, t in model.items()}
+    load_tf_checkpoint(FIXTURES / ADAM["prefix"], var_map, opt)
+    saved = _arrays(ADAM["id"])
+    np.testing.assert_array_equal(model["dense/bias"].detach().cpu().numpy(), saved["saved/dense/bias"])
+    assert opt.get_slot(model[KERNEL], "m").device.type == "cuda"
+    save_tf_checkpoint(tmp_path / "model.ckpt-3", var_map, opt, global_step=3)
+    assert list_tf_checkpoint(tmp_path) == list_tf_checkpoint(FIXTURES / ADAM["prefix"])
