@@ -13,7 +13,8 @@ Example: a TF Dense layer and its Adam state, out and back in.
     >>> opt = AdamOptimizer(layer.parameters(), learning_rate=0.1)
     >>> layer(torch.ones(1, 3)).sum().backward(); opt.step()
     >>> var_map = {"dense/kernel": (layer.weight, "transpose"), "dense/bias": layer.bias}
-    >>> folder = tempfile.mkdtemp()
+    >>> tmp = tempfile.TemporaryDirectory()
+    >>> folder = tmp.name
     >>> _ = save_tf_checkpoint(f"{folder}/model.ckpt-1", var_map, opt, global_step=1)
     >>> [name for name, shape, dtype in list_tf_checkpoint(folder)]  # doctest: +NORMALIZE_WHITESPACE
     ['beta1_power', 'beta2_power', 'dense/bias', 'dense/bias/Adam', 'dense/bias/Adam_1',
@@ -24,6 +25,7 @@ Example: a TF Dense layer and its Adam state, out and back in.
     >>> info = load_tf_checkpoint(folder, copy_map, copy_opt)
     >>> info.global_step, info.unused, torch.equal(copy.weight, layer.weight)
     (1, [], True)
+    >>> tmp.cleanup()
 """
 
 from ._bundle import CorruptCheckpointError
