@@ -600,3 +600,10 @@ def test_cuda_tensors_load_and_save(tmp_path: Path) -> None:
     assert opt.get_slot(model[KERNEL], "m").device.type == "cuda"
     save_tf_checkpoint(tmp_path / "model.ckpt-3", var_map, opt, global_step=3)
     assert list_tf_checkpoint(tmp_path) == list_tf_checkpoint(FIXTURES / ADAM["prefix"])
+
+
+def test_unwritable_dtype_leaves_no_files(tmp_path: Path) -> None:
+    var_map = {"a": torch.zeros(2), "b": torch.zeros(2, dtype=torch.float8_e4m3fn)}
+    with pytest.raises(TypeError, match="cannot write tensor 'b' of dtype torch.float8_e4m3fn"):
+        save_tf_checkpoint(tmp_path / "model.ckpt", var_map)
+    assert not list(tmp_path.iterdir())

@@ -329,24 +329,41 @@ class BundleReader:
 def write_bundle(prefix: str | os.PathLike[str], tensors: dict[str, Tensor]) -> None:
     """Write ``tensors`` (name -> tensor) as a one-shard bundle ``<prefix>.index`` + ``.data-00000-of-00001``.
 
-    Both files are written beside their final names and then renamed, data
-    first, so a reader never sees an index without its data.
+    Both files are written beside their final names and renamed into place,
+    data first, so a new checkpoint's index never appears before its data; a
+    failed write leaves nothing behind.
     """
+    for name, tensor in tensors.items():
+        if tensor.dtype not in _DTYPE_ENUM:
+            raise TypeError(f"cannot write tensor {name!r} of dtype {tensor.dtype} to a TF checkpoint")
     prefix = str(prefix)
-    entries: list[tuple[bytes, bytes]] = []
     data_path = Path(f"{prefix}.data-00000-of-00001")
     index_path = Path(f"{prefix}.index")
     data_tmp = data_path.with_name(data_path.name + ".tmp")
     index_tmp = index_path.with_name(index_path.name + ".tmp")
+    try:
+        entries = _write_data(data_tmp, tensors)
+        # BundleHeaderProto: num_shards = 1, endianness LITTLE (0, omitted), version { producer: 1 }.
+        header = _varint_field(1, 1) + _length_delimited(3, _varint_field(1, 1))
+        index_tmp.write_bytes(_build_table([(b"", header), *entries]))
+        os.replace(data_tmp, data_path)
+        os.replace(index_tmp, index_path)
+    except BaseException:
+        data_tmp.unlink(missing_ok=True)
+        index_tmp.unlink(missing_ok=True)
+        raise
+
+
+def _write_data(path: Path, tensors: dict[str, Tensor]) -> list[tuple[bytes, bytes]]:
+    """Write the tensors' bytes in key order; return their (key, BundleEntryProto) pairs."""
+    entries: list[tuple[bytes, bytes]] = []
     offset = 0
-    with open(data_tmp, "wb") as f:
+    with open(path, "wb") as f:
         for name in sorted(tensors, key=lambda n: n.encode("utf-8")):
             tensor = tensors[name].detach().to("cpu").contiguous()
-            if tensor.dtype not in _DTYPE_ENUM:
-                raise TypeError(f"cannot write tensor {name!r} of dtype {tensor.dtype} to a TF checkpoint")
             raw = tensor.reshape(-1).view(torch.uint8).numpy().tobytes() if tensor.numel() else b""
             f.write(raw)
-            shape = b"".join(_length_delimited(2, _varint_field(1, d) if d else b"") for d in tensor.shape)
+            shape = b"".join(_length_delimited(2, _varint_field(1, d)) for d in tensor.shape)
             entry = (
                 _varint_field(1, _DTYPE_ENUM[tensor.dtype])
                 + _length_delimited(2, shape)
@@ -359,8 +376,4 @@ def write_bundle(prefix: str | os.PathLike[str], tensors: dict[str, Tensor]) -> 
             offset += len(raw)
         f.flush()
         os.fsync(f.fileno())
-    # BundleHeaderProto: num_shards = 1, endianness LITTLE (0, omitted), version { producer: 1 }.
-    header = _varint_field(1, 1) + _length_delimited(3, _varint_field(1, 1))
-    index_tmp.write_bytes(_build_table([(b"", header), *entries]))
-    os.replace(data_tmp, data_path)
-    os.replace(index_tmp, index_path)
+    return entries
