@@ -25,7 +25,8 @@ Cases:
 Also ``many_variables/model.ckpt``: 600 small variables, so that the index
 spans many table blocks whose keys share prefixes (see ``write_many_variables``).
 
-Output: ``manifest.json`` (one entry per case); per case a folder with the
+Output: ``manifest.json`` (one entry per case; a name-based one also records
+``tf_slot_names``, what TF named each slot variable: ``<variable>/<name>``); per case a folder with the
 checkpoint (and its ``checkpoint`` state file) and ``arrays.npz`` holding
 ``init/<var>``, the gradients (``grad/<var>/<k>`` dense, or
 ``grad/<var>/<k>/indices`` and ``/values``), ``saved/<name>`` (every numeric
@@ -222,6 +223,14 @@ class NameBasedRun:
                 gs = None if case["loss_scale"] else self.global_step
                 self.train_ops[k] = opt.apply_gradients(pairs, global_step=gs)
             self.final = _final(opt, self.variables)
+            inner = opt._optimizer if case["loss_scale"] else opt
+            # What TF named each slot variable of every variable: "<variable>/<this>".
+            self.slot_names = {
+                var: {
+                    slot: inner.get_slot(v, slot).op.name[len(var) + 1 :] for slot in inner.get_slot_names()
+                }
+                for var, v in self.variables.items()
+            }
             self.saver = tf.compat.v1.train.Saver(save_relative_paths=True)
             self.init = tf.compat.v1.global_variables_initializer()
             self.set_step = self.global_step.assign(K)
@@ -238,7 +247,8 @@ class NameBasedRun:
 
 def run_name_based(
     case: dict[str, Any], arrays: dict[str, np.ndarray], folder: Path
-) -> dict[str, np.ndarray]:
+) -> tuple[dict[str, np.ndarray], dict[str, Any]]:
+    """The case's arrays, and for the manifest the names TF gave the slot variables."""
     run = NameBasedRun(case, arrays)
     run.sess.run(run.init)
     run.run(range(1, K + 1))
@@ -248,12 +258,12 @@ def run_name_based(
     run.run(range(K + 1, K + M + 1))
     finals = run.finals()
     run.sess.close()
-    return {**_saved(prefix), **finals}
+    return {**_saved(prefix), **finals}, {"tf_slot_names": run.slot_names}
 
 
 def run_object_based(
     case: dict[str, Any], arrays: dict[str, np.ndarray], folder: Path
-) -> dict[str, np.ndarray]:
+) -> tuple[dict[str, np.ndarray], dict[str, Any]]:
     model = tf.Module()
     model.dense = tf.Module()
     model.dense.kernel = tf.Variable(arrays["init/dense/kernel"])
@@ -278,7 +288,7 @@ def run_object_based(
         if k == K:
             prefix = tf.train.Checkpoint(model=model, optimizer=opt, step=step).save(str(folder / "ckpt"))
     finals = {key: value.numpy() for key, value in _final(opt, variables).items()}
-    return {**_saved(prefix), **finals}
+    return {**_saved(prefix), **finals}, {}
 
 
 def _saved(prefix: str) -> dict[str, np.ndarray]:
@@ -321,9 +331,9 @@ def generate(out: Path) -> None:
         folder.mkdir(exist_ok=True)
         inputs = make_inputs(case)
         runner = run_name_based if case["format"] == "name" else run_object_based
-        arrays = runner(case, inputs, folder)
+        arrays, extra = runner(case, inputs, folder)
         np.savez_compressed(folder / "arrays.npz", **inputs, **arrays)
-        manifest.append({**case, "tf_version": tf.__version__})
+        manifest.append({**case, **extra, "tf_version": tf.__version__})
     lines = ",\n".join(json.dumps(entry) for entry in manifest)
     (out / "manifest.json").write_text(f"[\n{lines}\n]\n")
 

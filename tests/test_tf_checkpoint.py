@@ -179,26 +179,20 @@ def _tf_name(case: dict[str, Any], var: str) -> str:
 
 @pytest.mark.parametrize("case", _ids(NAME_BASED))
 def test_loaded_slots_are_tensorflows(case: dict[str, Any]) -> None:
-    """Every slot and optimizer-wide value lands where it belongs, bitwise (name-based names)."""
+    """Every slot holds, bitwise, the variable TF named for it (``tf_slot_names``, from TF's graph)."""
     run = Run(case, init=False)
     run.load()
     saved = {k[len("saved/") :]: v for k, v in _arrays(case["id"]).items() if k.startswith("saved/")}
-    finals = _tf_finals(case)
-    tf_name = case["optimizer_name"] or case["optimizer"].removesuffix("Optimizer")
     for var, t in run.tensors.items():
-        # TF's slot order is the order of the TF-side get_slot names that have a checkpoint entry.
-        slots = [key.rsplit("/", 1)[1] for key in finals if key.startswith(f"final/{var}/")]
-        for slot in slots:
+        tf_slots = case["tf_slot_names"][var]
+        assert sorted(tf_slots) == run.inner.get_slot_names()
+        for slot, suffix in tf_slots.items():
             ours = run.inner.get_slot(t, slot)
             assert ours is not None, f"{var}: slot {slot!r} not made"
-            ours = (ours.T if var == KERNEL else ours).numpy()
-            matches = [
-                n for n in saved if n.startswith(f"{var}/{tf_name}") and np.array_equal(saved[n], ours)
-            ]
-            assert matches, f"{var}: slot {slot!r} equals no {var}/{tf_name}* entry"
+            ours = ours.T if var == KERNEL else ours
+            np.testing.assert_array_equal(ours.numpy(), saved[f"{var}/{suffix}"], err_msg=f"{var} {slot}")
     for key, value in run.inner.state_dict()["non_slot_state"][0].items():
-        name = "global_step" if key == "global_step" else key
-        np.testing.assert_array_equal(value.numpy(), saved[name], err_msg=key)
+        np.testing.assert_array_equal(value.numpy(), saved[key], err_msg=key)
     if case["loss_scale"]:
         assert float(run.opt.loss_scale()) == saved["current_loss_scale"]
         assert int(run.opt.loss_scale.good_steps) == saved["good_steps"]
