@@ -601,3 +601,21 @@ def test_unwritable_dtype_leaves_no_files(tmp_path: Path) -> None:
     with pytest.raises(TypeError, match="cannot write tensor 'b' of dtype torch.float8_e4m3fn"):
         save_tf_checkpoint(tmp_path / "model.ckpt", var_map)
     assert not list(tmp_path.iterdir())
+
+
+def test_state_file_names_the_latest_checkpoint(tmp_path: Path) -> None:
+    first, second = torch.ones(2), torch.full((2,), 2.0)
+    save_tf_checkpoint(tmp_path / "model.ckpt-1", {"w": first})
+    save_tf_checkpoint(tmp_path / 'modèle "b".ckpt-2', {"w": second})
+    w = torch.zeros(2)
+    load_tf_checkpoint(tmp_path, {"w": w})
+    assert torch.equal(w, second)
+    assert (tmp_path / "checkpoint").read_text("utf-8") == (
+        'model_checkpoint_path: "modèle \\"b\\".ckpt-2"\n'
+        'all_model_checkpoint_paths: "model.ckpt-1"\n'
+        'all_model_checkpoint_paths: "modèle \\"b\\".ckpt-2"\n'
+    )
+    # Text format may also C-escape the UTF-8 bytes, as octal.
+    octal = "".join(f"\\{byte:03o}" for byte in "è".encode())
+    (tmp_path / "checkpoint").write_text(f'model_checkpoint_path: "mod{octal}le \\"b\\".ckpt-2"\n')
+    assert list_tf_checkpoint(tmp_path) == [("w", (2,), "float32")]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import codecs
 import os
 import re
 from collections.abc import Mapping, Sequence
@@ -160,10 +161,10 @@ def _resolve_prefix(path: str | os.PathLike[str]) -> str:
                 f"path {text!r} is a directory without a {_STATE_FILE!r} state file; "
                 "pass a checkpoint prefix such as 'model.ckpt-1000'"
             )
-        match = re.search(r'^model_checkpoint_path:\s*"((?:[^"\\]|\\.)*)"', state.read_text(), re.MULTILINE)
-        if match is None:
+        named = _state_file_paths(state, "model_checkpoint_path")
+        if not named:
             raise FileNotFoundError(f"{state} names no model_checkpoint_path")
-        latest = match.group(1).encode().decode("unicode_escape")
+        latest = named[0]
         text = latest if os.path.isabs(latest) else os.path.join(text, latest)
     text = re.sub(r"\.(index|data-\d{5}-of-\d{5})$", "", text)
     if not os.path.isfile(f"{text}.index"):
@@ -516,20 +517,26 @@ def _check_step_arg(global_step: Any) -> int | None:
     return global_step
 
 
+def _state_file_paths(state: Path, field_name: str) -> list[str]:
+    """The values of ``field_name`` in a ``checkpoint`` state file (a text-format CheckpointState)."""
+    quoted = re.findall(rf'^{field_name}:\s*"((?:[^"\\]|\\.)*)"', state.read_text("utf-8"), re.MULTILINE)
+    # Text format C-escapes the string's bytes (TF writes UTF-8 as is, some writers as \ooo).
+    return [codecs.escape_decode(q.encode("utf-8"))[0].decode("utf-8") for q in quoted]
+
+
+def _quote(path: str) -> str:
+    return '"' + path.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n") + '"'
+
+
 def _record_in_state_file(prefix: str) -> None:
     """Add the checkpoint to its directory's ``checkpoint`` state file, as the latest."""
-    directory = Path(prefix).parent
-    state = directory / _STATE_FILE
+    state = Path(prefix).parent / _STATE_FILE
     base = Path(prefix).name
-    previous: list[str] = []
-    if state.is_file():
-        previous = re.findall(
-            r'^all_model_checkpoint_paths:\s*"((?:[^"\\]|\\.)*)"', state.read_text(), re.MULTILINE
-        )
+    previous = _state_file_paths(state, "all_model_checkpoint_paths") if state.is_file() else []
     paths = [p for p in previous if p != base] + [base]
-    text = f'model_checkpoint_path: "{base}"\n' + "".join(
-        f'all_model_checkpoint_paths: "{p}"\n' for p in paths
+    text = f"model_checkpoint_path: {_quote(base)}\n" + "".join(
+        f"all_model_checkpoint_paths: {_quote(p)}\n" for p in paths
     )
     tmp = state.with_name(_STATE_FILE + ".tmp")
-    tmp.write_text(text)
+    tmp.write_text(text, "utf-8")
     os.replace(tmp, state)
