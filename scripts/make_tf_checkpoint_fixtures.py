@@ -23,7 +23,9 @@ Cases:
   object paths.
 
 Also ``many_variables/model.ckpt``: 600 small variables, so that the index
-spans many table blocks whose keys share prefixes (see ``write_many_variables``).
+spans many table blocks whose keys share prefixes (see ``write_many_variables``);
+and ``partitioned/model.ckpt``: partitioned variables, stored in pieces (see
+``write_partitioned``).
 
 Output: ``manifest.json`` (one entry per case; a name-based one also records
 ``tf_slot_names``, what TF named each slot variable: ``<variable>/<name>``); per case a folder with the
@@ -321,10 +323,53 @@ def write_many_variables(folder: Path) -> None:
             saver.save(sess, str(folder / "model.ckpt"), write_meta_graph=False)
 
 
+def write_partitioned(folder: Path) -> None:
+    """Partitioned variables: ``emb`` (200, 3) in 3 pieces after one Adam step (its slots are
+    partitioned too), and ``counts`` (20000, 1) in 2 pieces holding 0, 1, 2, ... (a piece
+    starting at 10000 has a 3-byte key). ``values.npz`` holds what TF's reader assembles."""
+
+    def rows_from(full: np.ndarray) -> Any:
+        """An initializer giving each piece its rows of ``full``."""
+
+        def init(shape: Any, dtype: Any = None, partition_info: Any = None) -> Any:
+            start = partition_info.var_offset[0] if partition_info is not None else 0
+            return tf.constant(full[start : start + shape[0]])
+
+        return init
+
+    graph = tf.Graph()
+    with graph.as_default():
+        emb = tf.compat.v1.get_variable(
+            "emb",
+            shape=(200, 3),
+            initializer=rows_from(np.arange(600, dtype=np.float32).reshape(200, 3) / 100),
+            partitioner=tf.compat.v1.fixed_size_partitioner(3),
+            use_resource=True,
+        )
+        tf.compat.v1.get_variable(
+            "counts",
+            shape=(20000, 1),
+            initializer=rows_from(np.arange(20000, dtype=np.float32).reshape(20000, 1)),
+            partitioner=tf.compat.v1.fixed_size_partitioner(2),
+            trainable=False,
+            use_resource=True,
+        )
+        loss = tf.reduce_sum(tf.nn.embedding_lookup(emb, tf.constant([0, 70, 150, 70])) ** 2)
+        train_op = tf.compat.v1.train.AdamOptimizer(0.1).minimize(loss)
+        saver = tf.compat.v1.train.Saver(save_relative_paths=True)
+        with tf.compat.v1.Session(graph=graph) as sess:
+            sess.run(tf.compat.v1.global_variables_initializer())
+            sess.run(train_op)
+            prefix = saver.save(sess, str(folder / "model.ckpt"), write_meta_graph=False)
+    np.savez_compressed(folder / "values.npz", **_saved(prefix))
+
+
 def generate(out: Path) -> None:
     out.mkdir(parents=True, exist_ok=True)
     (out / "many_variables").mkdir(exist_ok=True)
     write_many_variables(out / "many_variables")
+    (out / "partitioned").mkdir(exist_ok=True)
+    write_partitioned(out / "partitioned")
     manifest = []
     for case in cases():
         folder = out / case["id"]

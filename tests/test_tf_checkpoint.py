@@ -285,6 +285,15 @@ def test_generator_reproduces_the_fixtures(run_tf_generator) -> None:
         assert list_tf_checkpoint(tmp_path / case["prefix"]) == list_tf_checkpoint(FIXTURES / case["prefix"])
     many = Path("many_variables") / "model.ckpt"
     assert list_tf_checkpoint(tmp_path / many) == list_tf_checkpoint(FIXTURES / many)
+    partitioned = Path("partitioned")
+    assert list_tf_checkpoint(tmp_path / partitioned) == list_tf_checkpoint(FIXTURES / partitioned)
+    with (
+        np.load(tmp_path / partitioned / "values.npz") as fresh,
+        np.load(FIXTURES / partitioned / "values.npz") as old,
+    ):
+        assert sorted(fresh.files) == sorted(old.files)
+        for key in old.files:
+            np.testing.assert_allclose(fresh[key], old[key], rtol=1e-5, atol=1e-6, err_msg=key)
 
 
 # ---------------------------------------------------------------------- round trip, paths
@@ -619,3 +628,42 @@ def test_state_file_names_the_latest_checkpoint(tmp_path: Path) -> None:
     octal = "".join(f"\\{byte:03o}" for byte in "è".encode())
     (tmp_path / "checkpoint").write_text(f'model_checkpoint_path: "mod{octal}le \\"b\\".ckpt-2"\n')
     assert list_tf_checkpoint(tmp_path) == [("w", (2,), "float32")]
+
+
+PARTITIONED = FIXTURES / "partitioned" / "model.ckpt"
+
+
+def test_partitioned_variables_are_assembled() -> None:
+    """TF stores a partitioned variable (and its slots) in pieces under binary keys; they read as one."""
+    with np.load(FIXTURES / "partitioned" / "values.npz") as npz:
+        saved = {key[len("saved/") :]: npz[key] for key in npz.files}
+    assert list_tf_checkpoint(PARTITIONED) == [
+        (name, saved[name].shape, saved[name].dtype.name) for name in sorted(saved)
+    ]
+    np.testing.assert_array_equal(saved["counts"].ravel(), np.arange(20000, dtype=np.float32))
+    emb = torch.nn.Parameter(torch.zeros(200, 3))
+    counts = torch.zeros(20000, 1)
+    opt = tgo.AdamOptimizer([emb])
+    info = load_tf_checkpoint(PARTITIONED, {"emb": emb, "counts": counts}, opt)
+    assert info.unused == []
+    np.testing.assert_array_equal(emb.detach().numpy(), saved["emb"])
+    np.testing.assert_array_equal(counts.numpy(), saved["counts"])
+    np.testing.assert_array_equal(opt.get_slot(emb, "m").numpy(), saved["emb/Adam"])
+    np.testing.assert_array_equal(opt.get_slot(emb, "v").numpy(), saved["emb/Adam_1"])
+
+
+def test_a_corrupt_piece_raises(tmp_path: Path) -> None:
+    folder = tmp_path / "partitioned"
+    shutil.copytree(FIXTURES / "partitioned", folder)
+    from torchgrad_compat.checkpoint._bundle import BundleReader
+
+    piece = BundleReader(folder / "model.ckpt")._pieces["counts", ((10000, 10000), (0, 1))]
+    data = folder / "model.ckpt.data-00000-of-00001"
+    raw = bytearray(data.read_bytes())
+    raw[piece.offset + 5] ^= 0x10
+    data.write_bytes(bytes(raw))
+    counts = torch.zeros(20000, 1)
+    emb = torch.zeros(200, 3)
+    with pytest.raises(CorruptCheckpointError, match="CRC32C mismatch in tensor"):
+        load_tf_checkpoint(folder / "model.ckpt", {"emb": emb, "counts": counts})
+    assert not counts.any() and not emb.any()

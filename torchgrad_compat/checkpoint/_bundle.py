@@ -14,6 +14,7 @@ block of the table and every tensor read is checked against its CRC32C.
 
 from __future__ import annotations
 
+import math
 import os
 import struct
 import warnings
@@ -238,6 +239,8 @@ class BundleEntry:
     size: int
     crc32c: int
     torch_dtype: torch.dtype | None
+    # A partitioned variable: its pieces, each ((start, length) per dim), stored as entries of their own.
+    slices: tuple[tuple[tuple[int, int], ...], ...] = ()
 
 
 def _parse_entry(name: str, value: bytes, where: str) -> BundleEntry:
@@ -245,16 +248,15 @@ def _parse_entry(name: str, value: bytes, where: str) -> BundleEntry:
     enum = int(_field(fields, 1))
     if enum not in _DTYPES:
         raise CorruptCheckpointError(f"{where}: entry {name!r} has unknown TensorFlow dtype enum {enum}")
-    if fields.get(7):
-        raise CorruptCheckpointError(
-            f"{where}: entry {name!r} is a partitioned (sliced) variable, which is not supported"
-        )
     shape_fields = _proto_fields(bytes(_field(fields, 2, b"")), f"{where}, shape of {name!r}")
     dims = tuple(
         int(_field(_proto_fields(bytes(d), f"{where}, shape of {name!r}"), 1))
         for d in shape_fields.get(2, [])
     )
     dtype, torch_dtype = _DTYPES[enum]
+    slices = tuple(
+        _parse_slice(bytes(proto), dims, f"{where}, slice of {name!r}") for proto in fields.get(7, [])
+    )
     return BundleEntry(
         name=name,
         dtype=dtype,
@@ -264,7 +266,85 @@ def _parse_entry(name: str, value: bytes, where: str) -> BundleEntry:
         size=int(_field(fields, 5)),
         crc32c=int(_field(fields, 6)),
         torch_dtype=torch_dtype,
+        slices=slices,
     )
+
+
+def _parse_slice(proto: bytes, dims: tuple[int, ...], where: str) -> tuple[tuple[int, int], ...]:
+    """A TensorSliceProto as (start, length) per dim; an extent without a length is the whole dim."""
+    extents = _proto_fields(proto, where).get(1, [])
+    if len(extents) != len(dims):
+        raise CorruptCheckpointError(f"{where}: {len(extents)} extents for a {len(dims)}-D tensor")
+    out = []
+    for extent, dim in zip(extents, dims, strict=True):
+        fields = _proto_fields(bytes(extent), where)
+        start = int(_field(fields, 1))
+        out.append((start, int(_field(fields, 2)) if 2 in fields else dim - start))
+    return tuple(out)
+
+
+# ---------------------------------------------------------------------- slice keys (OrderedCode)
+# A piece of a partitioned variable is stored under a binary key: TF's OrderedCode
+# encoding of (0, name, rank, start_0, length_0, ...), see tensor_slice_util / ordered_code.cc.
+def _ordered_unsigned(key: bytes, pos: int) -> tuple[int, int]:
+    length = key[pos]
+    return int.from_bytes(key[pos + 1 : pos + 1 + length], "big"), pos + 1 + length
+
+
+def _ordered_string(key: bytes, pos: int) -> tuple[bytes, int]:
+    out = bytearray()
+    while pos + 1 < len(key):
+        byte, following = key[pos], key[pos + 1]
+        if byte == 0x00 and following == 0x01:
+            return bytes(out), pos + 2
+        if byte in (0x00, 0xFF):  # escaped 0x00 (00 ff) or 0xff (ff 00)
+            out.append(byte)
+            pos += 2
+        else:
+            out.append(byte)
+            pos += 1
+    raise ValueError("unterminated string")
+
+
+def _leading_ones(byte: int) -> int:
+    count = 0
+    while count < 8 and byte & (0x80 >> count):
+        count += 1
+    return count
+
+
+def _ordered_signed(key: bytes, pos: int) -> tuple[int, int]:
+    # The first bits give the length in bytes (ones for a positive value, zeros
+    # for a negative one); they are XORed onto the big-endian two's complement.
+    flip = 0x00 if key[pos] & 0x80 else 0xFF
+    length = _leading_ones(key[pos] ^ flip)
+    if length == 8:
+        length += _leading_ones(key[pos + 1] ^ flip)
+    raw = bytearray(key[pos : pos + length])
+    if len(raw) != length:
+        raise ValueError("truncated number")
+    header = ((0xFFFF << (16 - length)) & 0xFFFF).to_bytes(2, "big")
+    raw[0] ^= header[0]
+    if length > 1:
+        raw[1] ^= header[1]
+    return int.from_bytes(raw, "big", signed=True), pos + length
+
+
+def _decode_slice_key(key: bytes, where: str) -> tuple[str, tuple[tuple[int, int], ...]]:
+    try:
+        zero, pos = _ordered_unsigned(key, 0)
+        name, pos = _ordered_string(key, pos)
+        rank, pos = _ordered_unsigned(key, pos)
+        extents = []
+        for _ in range(rank):
+            start, pos = _ordered_signed(key, pos)
+            length, pos = _ordered_signed(key, pos)
+            extents.append((start, length))
+        if zero != 0 or pos != len(key):
+            raise ValueError("trailing bytes")
+        return name.decode("utf-8"), tuple(extents)
+    except (IndexError, ValueError) as error:
+        raise CorruptCheckpointError(f"{where}: malformed slice key {key!r} ({error})") from None
 
 
 class BundleReader:
@@ -283,10 +363,15 @@ class BundleReader:
         if int(_field(header, 2)) != 0:
             raise CorruptCheckpointError(f"{where}: big-endian checkpoints are not supported")
         self.entries: dict[str, BundleEntry] = {}
+        self._pieces: dict[tuple[str, tuple[tuple[int, int], ...]], BundleEntry] = {}
         for key, value in table[1:]:
-            name = key.decode("utf-8")
-            self.entries[name] = _parse_entry(name, value, where)
-        for entry in self.entries.values():
+            if key.startswith(b"\x00"):
+                name, extents = _decode_slice_key(key, where)
+                self._pieces[name, extents] = _parse_entry(f"{name} {list(extents)}", value, where)
+            else:
+                name = key.decode("utf-8")
+                self.entries[name] = _parse_entry(name, value, where)
+        for entry in [*self.entries.values(), *self._pieces.values()]:
             if not 0 <= entry.shard < self.num_shards:
                 raise CorruptCheckpointError(f"{where}: entry {entry.name!r} names shard {entry.shard}")
 
@@ -297,27 +382,60 @@ class BundleReader:
         """The tensor ``name`` as a CPU tensor, after checking its size and CRC32C.
 
         The tensor views the bytes read from the file (no second copy) and is
-        read-only: copy it into a tensor of your own, do not modify it.
+        read-only: copy it into a tensor of your own, do not modify it. A
+        partitioned variable is assembled from its pieces.
         """
         entry = self.entries[name]
         if entry.torch_dtype is None:
             raise TypeError(f"checkpoint tensor {name!r} has dtype {entry.dtype}, which has no torch dtype")
+        if entry.slices:
+            return self._assemble(entry)
+        return self._read_entry(entry)
+
+    def _assemble(self, entry: BundleEntry) -> Tensor:
+        out = torch.empty(entry.shape, dtype=entry.torch_dtype)
+        covered = 0
+        for extents in entry.slices:
+            # A piece's key writes a whole dim as (0, -1) where its slice leaves the length out.
+            whole = tuple(
+                (0, -1) if (s, n) == (0, d) else (s, n)
+                for (s, n), d in zip(extents, entry.shape, strict=True)
+            )
+            piece = self._pieces.get((entry.name, extents)) or self._pieces.get((entry.name, whole))
+            if piece is None:
+                raise CorruptCheckpointError(
+                    f"{self.prefix}: piece {list(extents)} of {entry.name!r} is missing"
+                )
+            if piece.shape != tuple(n for _, n in extents):
+                raise CorruptCheckpointError(
+                    f"{self.prefix}: piece {list(extents)} of {entry.name!r} has shape {list(piece.shape)}"
+                )
+            out[tuple(slice(s, s + n) for s, n in extents)] = self._read_entry(piece)
+            covered += math.prod(piece.shape)
+        if covered != out.numel():
+            raise CorruptCheckpointError(f"{self.prefix}: the pieces of {entry.name!r} do not cover it")
+        return out
+
+    def _read_entry(self, entry: BundleEntry) -> Tensor:
+        assert entry.torch_dtype is not None
         expected = entry.torch_dtype.itemsize
         for dim in entry.shape:
             expected *= dim
         path = self.data_file(entry.shard)
         if entry.size != expected:
             raise CorruptCheckpointError(
-                f"{self.prefix}: entry {name!r} holds {entry.size} bytes; shape {list(entry.shape)} of "
+                f"{self.prefix}: entry {entry.name!r} holds {entry.size} bytes; shape {list(entry.shape)} of "
                 f"{entry.dtype} needs {expected}"
             )
         with open(path, "rb") as f:
             f.seek(entry.offset)
             buffer = f.read(entry.size)
         if len(buffer) != entry.size:
-            raise CorruptCheckpointError(f"{path}: truncated; tensor {name!r} runs past its end")
+            raise CorruptCheckpointError(f"{path}: truncated; tensor {entry.name!r} runs past its end")
         if _masked_crc(buffer) != entry.crc32c:
-            raise CorruptCheckpointError(f"{path}: CRC32C mismatch in tensor {name!r}; the file is corrupt")
+            raise CorruptCheckpointError(
+                f"{path}: CRC32C mismatch in tensor {entry.name!r}; the file is corrupt"
+            )
         if not buffer:
             return torch.empty(entry.shape, dtype=entry.torch_dtype)
         with warnings.catch_warnings():
