@@ -24,8 +24,9 @@ Cases:
 
 Also ``many_variables/model.ckpt``: 600 small variables, so that the index
 spans many table blocks whose keys share prefixes (see ``write_many_variables``);
-and ``partitioned/model.ckpt``: partitioned variables, stored in pieces (see
-``write_partitioned``).
+``partitioned/model.ckpt``: partitioned variables, stored in pieces (see
+``write_partitioned``); and ``conv/model.ckpt``: a Conv2D + Dense model with
+its output on a fixed input (see ``write_conv_model``).
 
 Output: ``manifest.json`` (one entry per case; a name-based one also records
 ``tf_slot_names``, what TF named each slot variable: ``<variable>/<name>``); per case a folder with the
@@ -364,12 +365,44 @@ def write_partitioned(folder: Path) -> None:
     np.savez_compressed(folder / "values.npz", **_saved(prefix))
 
 
+def write_conv_model(folder: Path) -> None:
+    """A Conv2D (HWIO kernel) and a Dense layer after two Momentum steps, and the model's output.
+
+    ``io.npz`` holds the input ``x`` (NHWC) and TF's output ``y`` from the saved weights, so a
+    torch model (OIHW, NCHW) loaded from the checkpoint can be checked layer layout and all.
+    """
+    rng = np.random.default_rng(zlib.crc32(b"conv"))
+    x = rng.standard_normal((2, 6, 6, 3)).astype(np.float32)
+    graph = tf.Graph()
+    with graph.as_default():
+
+        def variable(name: str, shape: tuple[int, ...], scale: float) -> Any:
+            value = (rng.standard_normal(shape) * scale).astype(np.float32)
+            return tf.compat.v1.get_variable(name, initializer=value, use_resource=True)
+
+        kernel, bias = variable("conv/kernel", (3, 3, 3, 4), 0.3), variable("conv/bias", (4,), 1.0)
+        hidden = tf.reshape(tf.nn.conv2d(tf.constant(x), kernel, 1, "VALID") + bias, [2, -1])
+        out = hidden @ variable("dense/kernel", (64, 5), 0.1) + variable("dense/bias", (5,), 1.0)
+        train_op = tf.compat.v1.train.MomentumOptimizer(0.01, 0.9).minimize(tf.reduce_sum(out**2))
+        saver = tf.compat.v1.train.Saver(save_relative_paths=True)
+        config = tf.compat.v1.ConfigProto(intra_op_parallelism_threads=1, inter_op_parallelism_threads=1)
+        with tf.compat.v1.Session(graph=graph, config=config) as sess:
+            sess.run(tf.compat.v1.global_variables_initializer())
+            for _ in range(2):
+                sess.run(train_op)
+            saver.save(sess, str(folder / "model.ckpt"), write_meta_graph=False)
+            y = sess.run(out)
+    np.savez_compressed(folder / "io.npz", x=x, y=y)
+
+
 def generate(out: Path) -> None:
     out.mkdir(parents=True, exist_ok=True)
     (out / "many_variables").mkdir(exist_ok=True)
     write_many_variables(out / "many_variables")
     (out / "partitioned").mkdir(exist_ok=True)
     write_partitioned(out / "partitioned")
+    (out / "conv").mkdir(exist_ok=True)
+    write_conv_model(out / "conv")
     manifest = []
     for case in cases():
         folder = out / case["id"]

@@ -289,6 +289,11 @@ def test_generator_reproduces_the_fixtures(run_tf_generator) -> None:
         assert list_tf_checkpoint(tmp_path / case["prefix"]) == list_tf_checkpoint(FIXTURES / case["prefix"])
     many = Path("many_variables") / "model.ckpt"
     assert list_tf_checkpoint(tmp_path / many) == list_tf_checkpoint(FIXTURES / many)
+    conv = Path("conv")
+    assert list_tf_checkpoint(tmp_path / conv) == list_tf_checkpoint(FIXTURES / conv)
+    with np.load(tmp_path / conv / "io.npz") as fresh, np.load(FIXTURES / conv / "io.npz") as old:
+        np.testing.assert_array_equal(fresh["x"], old["x"])
+        np.testing.assert_allclose(fresh["y"], old["y"], rtol=1e-5, atol=1e-5)
     partitioned = Path("partitioned")
     assert list_tf_checkpoint(tmp_path / partitioned) == list_tf_checkpoint(FIXTURES / partitioned)
     with (
@@ -671,3 +676,26 @@ def test_a_corrupt_piece_raises(tmp_path: Path) -> None:
     with pytest.raises(CorruptCheckpointError, match="CRC32C mismatch in tensor"):
         load_tf_checkpoint(folder / "model.ckpt", {"emb": emb, "counts": counts})
     assert not counts.any() and not emb.any()
+
+
+def test_conv_and_dense_layouts_give_tensorflows_output() -> None:
+    """A Conv2D kernel (TF's HWIO -> torch's OIHW) and a Dense kernel, found by suggest_var_map,
+    loaded into torch layers: the model's output on TF's input is TF's output."""
+    from torchgrad_compat.checkpoint import suggest_var_map
+
+    model = torch.nn.Module()
+    model.conv = torch.nn.Conv2d(3, 4, 3)
+    model.dense = torch.nn.Linear(64, 5)
+    var_map = suggest_var_map(FIXTURES / "conv", model)
+    assert {name: value[1] for name, value in var_map.items() if isinstance(value, tuple)} == {
+        "conv/kernel": (3, 2, 0, 1),
+        "dense/kernel": "transpose",
+    }
+    opt = tgo.MomentumOptimizer(model.parameters(), learning_rate=0.01, momentum=0.9)
+    assert load_tf_checkpoint(FIXTURES / "conv", var_map, opt).unused == []
+    with np.load(FIXTURES / "conv" / "io.npz") as npz:
+        x, y = torch.tensor(npz["x"]), npz["y"]
+    with torch.no_grad():
+        hidden = model.conv(x.permute(0, 3, 1, 2)).permute(0, 2, 3, 1).reshape(2, -1)  # TF flattens NHWC
+        ours = model.dense(hidden).numpy()
+    np.testing.assert_allclose(ours, y, rtol=1e-5, atol=1e-5)
