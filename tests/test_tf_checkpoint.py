@@ -425,6 +425,7 @@ def test_dtype_mismatch_raises() -> None:
     [
         ((torch.zeros(3, 4), "flip"), ValueError, "layout must be 'transpose' or a dim permutation"),
         ((torch.zeros(3, 4), (0, 0)), ValueError, "is not a permutation of the tensor's 2 dims"),
+        ((torch.zeros(3, 4), ("a", 0)), ValueError, "is not a permutation of the tensor's 2 dims"),
         ((torch.zeros(3, 4, 1), "transpose"), ValueError, "'transpose' needs a 2-D tensor, got 3-D"),
         (np.zeros((3, 4)), TypeError, r"var_map\['dense/kernel'\] must be a torch.Tensor, got ndarray"),
         ((torch.zeros(3, 4), "transpose", 1), TypeError, "must be a tensor or \\(tensor, layout\\)"),

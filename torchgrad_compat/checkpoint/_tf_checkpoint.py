@@ -202,7 +202,7 @@ def _parse_var_map(var_map: Any) -> dict[str, tuple[Tensor, tuple[int, ...] | No
 def _parse_layout(name: str, layout: Any, ndim: int) -> tuple[int, ...] | None:
     if layout is None:
         return None
-    if layout == "transpose":
+    if isinstance(layout, str) and layout == "transpose":
         if ndim != 2:
             raise ValueError(
                 f"var_map[{name!r}] layout 'transpose' needs a 2-D tensor, got {ndim}-D; "
@@ -212,7 +212,8 @@ def _parse_layout(name: str, layout: Any, ndim: int) -> tuple[int, ...] | None:
     if isinstance(layout, str) or not isinstance(layout, Sequence):
         raise ValueError(f"var_map[{name!r}] layout must be 'transpose' or a dim permutation, got {layout!r}")
     perm = tuple(layout)
-    if sorted(perm) != list(range(ndim)) or not all(isinstance(d, int) for d in perm):
+    is_int = all(isinstance(d, int) and not isinstance(d, bool) for d in perm)
+    if not is_int or sorted(perm) != list(range(ndim)):
         raise ValueError(
             f"var_map[{name!r}] layout {layout!r} is not a permutation of the tensor's {ndim} dims"
         )
