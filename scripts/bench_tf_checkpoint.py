@@ -17,8 +17,10 @@ load all of it:
   the same tensors.
 
 The files are read once before timing, so every reader works from the page
-cache, and the readers take turns within each repeat. The output is a Markdown
-table of the median seconds and the throughput.
+cache, and the readers take turns within each repeat. Writing is timed too:
+``save_tf_checkpoint`` (which fsyncs its data file) beside ``torch.save`` of the
+same tensors. The output is a Markdown table of the median seconds and the
+throughput.
 """
 
 from __future__ import annotations
@@ -129,13 +131,20 @@ def main() -> None:
                 check=True,
             )
             results["tf.train.load_checkpoint + get_tensor"] = json.loads(out.stdout.strip().splitlines()[-1])
+        state = {"model": {k: p.detach() for k, p in var_map.items()}, "optimizer": opt.state_dict()}
+        saves: dict[str, list[float]] = {"save_tf_checkpoint (ours)": [], "torch.save": []}
+        for _ in range(args.repeats):
+            saves["save_tf_checkpoint (ours)"] += _time(
+                lambda: save_tf_checkpoint(prefix, var_map, opt, global_step=1), 1
+            )
+            saves["torch.save"] += _time(lambda: torch.save(state, torch_file), 1)
 
     what = f"{args.tensors} variables with Adam's two slots"
     threads = torch.get_num_threads()
     print(f"checkpoint: {size / 2**20:.0f} MiB ({what}), page cache warm, {threads} torch threads\n")
-    print("| reader | median s | GiB/s |")
+    print("| reader / writer | median s | GiB/s |")
     print("|---|---|---|")
-    for name, times in results.items():
+    for name, times in {**results, **saves}.items():
         median = statistics.median(times)
         print(f"| {name} | {median:.3f} | {size / 2**30 / median:.2f} |")
     if python is None:
