@@ -1,12 +1,13 @@
 """torchgrad_compat: TensorFlow v1's training stack rebuilt natively on PyTorch."""
 
-from . import amp, optim, xla
+from . import amp, checkpoint, optim, xla
 from .gradients import AggregationMethod, UnconnectedGradients, gradients, hessian_vector_product, hessians
 
 __all__ = [
     "AggregationMethod",
     "UnconnectedGradients",
     "amp",
+    "checkpoint",
     "gradients",
     "hessian_vector_product",
     "hessians",

@@ -1,0 +1,702 @@
+"""TF checkpoints in and out, checked against real TensorFlow runs continued across the checkpoint.
+
+The fixtures in tests/fixtures/tf_checkpoint were written by
+scripts/make_tf_checkpoint_fixtures.py (TF 2.21): each case trained a small
+model (``dense/kernel`` in TF's [in, out] layout, ``dense/bias``, and
+``embedding/embeddings`` with sparse gradients) for K steps, saved a checkpoint,
+and trained M more steps. Here:
+
+- load: a fresh torch model and optimizer load the checkpoint (the kernel
+  transposed into torch's Linear layout), must then hold exactly what TF's own
+  reader read, and after the same M steps must equal TF's K + M run;
+- save: torch trains the first K steps itself and saves; the checkpoint must
+  hold TF's names, shapes and dtypes and (at the parity tolerance) TF's values
+  at step K; with TensorFlow available (``TORCHGRAD_COMPAT_TF_PYTHON``), TF's
+  Saver restores it and continues, and must equal torch continuing.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib.util
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+
+import torchgrad_compat.optim as tgo
+from torchgrad_compat.amp import DynamicLossScale, LossScaleOptimizer
+from torchgrad_compat.checkpoint import (
+    CorruptCheckpointError,
+    list_tf_checkpoint,
+    load_tf_checkpoint,
+    save_tf_checkpoint,
+)
+
+# Where the optimizers keep optimizer-wide state (Adam's beta powers) is the package's business;
+# the tests read it through the checkpoint module's one accessor, as the code under test does.
+from torchgrad_compat.checkpoint._tf_checkpoint import _optimizer_wide_state
+
+ROOT = Path(__file__).resolve().parent.parent
+FIXTURES = ROOT / "tests" / "fixtures" / "tf_checkpoint"
+GENERATOR = ROOT / "scripts" / "make_tf_checkpoint_fixtures.py"
+MANIFEST: list[dict[str, Any]] = json.loads((FIXTURES / "manifest.json").read_text())
+NAME_BASED = [case for case in MANIFEST if case["format"] == "name"]
+# DESIGN.md's parity target, as in test_tf_parity.py.
+TOLERANCE = {"float32": (1e-5, 1e-6), "float64": (1e-10, 1e-12)}
+ATTRIBUTE = "/.ATTRIBUTES/VARIABLE_VALUE"
+KERNEL = "dense/kernel"  # TF [in, out]; held here as torch's Linear weight [out, in]
+
+
+def _ids(cases: list[dict[str, Any]]) -> list[Any]:
+    return [pytest.param(case, id=case["id"]) for case in cases]
+
+
+@functools.cache
+def _arrays(case_id: str) -> dict[str, np.ndarray]:
+    with np.load(FIXTURES / case_id / "arrays.npz") as npz:
+        return {key: npz[key] for key in npz.files}
+
+
+class Run:
+    """A case's torch side: the three tensors (kernel in torch's layout) and the optimizer."""
+
+    def __init__(self, case: dict[str, Any], init: bool):
+        self.case = case
+        arrays = _arrays(case["id"])
+        dtype = getattr(torch, case["dtype"])
+        self.tensors: dict[str, torch.Tensor] = {}
+        for var, shape in case["variables"].items():
+            value = torch.tensor(arrays[f"init/{var}"]) if init else torch.zeros(shape, dtype=dtype)
+            self.tensors[var] = torch.nn.Parameter(value.T.contiguous() if var == KERNEL else value)
+        cls = getattr(tgo, case["optimizer"])
+        self.inner = cls(list(self.tensors.values()), **case["kwargs"])
+        self.opt: Any = self.inner
+        if case["loss_scale"]:
+            self.opt = LossScaleOptimizer(self.inner, DynamicLossScale(**case["loss_scale"]))
+
+    def var_map(self) -> dict[str, Any]:
+        prefix = "model/" if self.case["format"] == "object" else ""
+        return {prefix + var: (t, "transpose") if var == KERNEL else t for var, t in self.tensors.items()}
+
+    def load(self) -> Any:
+        return load_tf_checkpoint(
+            FIXTURES / self.case["prefix"],
+            self.var_map(),
+            self.opt,
+            optimizer_name=self.case["optimizer_name"],
+        )
+
+    def step(self, k: int) -> None:
+        self.opt.apply_gradients(_pairs(self, k))
+
+    def finals(self) -> dict[str, np.ndarray]:
+        """Ours, keyed as the fixtures' ``final/...`` arrays, in TF's layout."""
+        out = {}
+        for var, t in self.tensors.items():
+            tf_layout = (lambda x: x.T) if var == KERNEL else (lambda x: x)
+            out[f"final/{var}"] = tf_layout(t.detach()).numpy().copy()
+            for slot in self.inner.get_slot_names():
+                out[f"final/{var}/{slot}"] = tf_layout(self.inner.get_slot(t, slot)).numpy().copy()
+        for key, value in _optimizer_wide_state(self.inner)[0].items():
+            if key != "global_step":  # AdagradDA's own step; TF's is the global step
+                out[f"final/non_slot/{key}"] = value.numpy().copy()
+        if self.case["loss_scale"]:
+            out["final/loss_scale/current_loss_scale"] = self.opt.loss_scale().numpy().copy()
+            out["final/loss_scale/good_steps"] = self.opt.loss_scale.good_steps.numpy().copy()
+        return out
+
+
+def _pairs(run: Run, k: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Step ``k``'s (gradient, tensor) pairs: dense, the kernel's transposed, the embedding's row-sparse."""
+    arrays = _arrays(run.case["id"])
+    pairs = []
+    for var, t in run.tensors.items():
+        if f"grad/{var}/{k}" in arrays:
+            grad = torch.tensor(arrays[f"grad/{var}/{k}"])
+            pairs.append((grad.T.contiguous() if var == KERNEL else grad, t))
+        else:
+            indices = torch.tensor(arrays[f"grad/{var}/{k}/indices"])[None]
+            values = torch.tensor(arrays[f"grad/{var}/{k}/values"])
+            pairs.append((torch.sparse_coo_tensor(indices, values, t.shape, check_invariants=True), t))
+    return pairs
+
+
+def _assert_close(ours: dict[str, np.ndarray], theirs: dict[str, np.ndarray], dtype: str) -> None:
+    rtol, atol = TOLERANCE[dtype]
+    assert sorted(ours) == sorted(theirs)
+    for key, value in theirs.items():
+        assert ours[key].dtype == value.dtype, f"{key}: dtype {ours[key].dtype}, TF's is {value.dtype}"
+        np.testing.assert_allclose(ours[key], value, rtol=rtol, atol=atol, err_msg=key)
+
+
+def _tf_finals(case: dict[str, Any]) -> dict[str, np.ndarray]:
+    return {k: v for k, v in _arrays(case["id"]).items() if k.startswith("final/")}
+
+
+# ---------------------------------------------------------------------- reading TF's checkpoints
+@pytest.mark.parametrize("case", _ids(MANIFEST))
+def test_list_matches_tensorflow(case: dict[str, Any]) -> None:
+    """Names, shapes and dtypes as TF's own reader saw them (``saved/...``), read without TF."""
+    listed = list_tf_checkpoint(FIXTURES / case["prefix"])
+    saved = {k[len("saved/") :]: v for k, v in _arrays(case["id"]).items() if k.startswith("saved/")}
+    numeric = [entry for entry in listed if entry[2] != "string"]
+    assert [name for name, _, _ in numeric] == sorted(saved)
+    for name, shape, dtype in numeric:
+        assert shape == saved[name].shape, name
+        assert dtype == saved[name].dtype.name, name
+    assert [entry for entry in listed if entry[2] == "string"] == (
+        [("_CHECKPOINTABLE_OBJECT_GRAPH", (), "string")] if case["format"] == "object" else []
+    )
+
+
+@pytest.mark.parametrize("case", _ids(MANIFEST))
+def test_load_then_continue_matches_tensorflow(case: dict[str, Any]) -> None:
+    run = Run(case, init=False)
+    info = run.load()
+    arrays = _arrays(case["id"])
+    saved = {k[len("saved/") :]: v for k, v in arrays.items() if k.startswith("saved/")}
+    step_name = "step" + ATTRIBUTE if case["format"] == "object" else "global_step"
+    assert info.global_step == case["steps_before"] == int(saved[step_name])
+    assert info.unused == (["save_counter" + ATTRIBUTE] if case["format"] == "object" else [])
+    assert info.loaded == sorted(set(saved) - set(info.unused))
+    # What was loaded is exactly what TF's reader read (before any step).
+    for var, t in run.tensors.items():
+        expected = saved[_tf_name(case, var)]
+        got = t.detach().T if var == KERNEL else t.detach()
+        np.testing.assert_array_equal(got.numpy(), expected, err_msg=var)
+    for k in range(case["steps_before"] + 1, case["steps_before"] + case["steps_after"] + 1):
+        run.step(k)
+    _assert_close(run.finals(), _tf_finals(case), case["dtype"])
+
+
+def _tf_name(case: dict[str, Any], var: str) -> str:
+    return f"model/{var}{ATTRIBUTE}" if case["format"] == "object" else var
+
+
+@pytest.mark.parametrize("case", _ids(NAME_BASED))
+def test_loaded_slots_are_tensorflows(case: dict[str, Any]) -> None:
+    """Every slot holds, bitwise, the variable TF named for it (``tf_slot_names``, from TF's graph)."""
+    run = Run(case, init=False)
+    run.load()
+    saved = {k[len("saved/") :]: v for k, v in _arrays(case["id"]).items() if k.startswith("saved/")}
+    for var, t in run.tensors.items():
+        tf_slots = case["tf_slot_names"][var]
+        assert sorted(tf_slots) == run.inner.get_slot_names()
+        for slot, suffix in tf_slots.items():
+            ours = run.inner.get_slot(t, slot)
+            assert ours is not None, f"{var}: slot {slot!r} not made"
+            ours = ours.T if var == KERNEL else ours
+            np.testing.assert_array_equal(ours.numpy(), saved[f"{var}/{suffix}"], err_msg=f"{var} {slot}")
+    for key, value in _optimizer_wide_state(run.inner)[0].items():
+        np.testing.assert_array_equal(value.numpy(), saved[key], err_msg=key)
+    if case["loss_scale"]:
+        assert float(run.opt.loss_scale()) == saved["current_loss_scale"]
+        assert int(run.opt.loss_scale.good_steps) == saved["good_steps"]
+
+
+# ---------------------------------------------------------------------- writing checkpoints TF reads
+def _train_and_save(case: dict[str, Any], folder: Path) -> Run:
+    run = Run(case, init=True)
+    for k in range(1, case["steps_before"] + 1):
+        run.step(k)
+    save_tf_checkpoint(
+        folder / case["id"] / f"model.ckpt-{case['steps_before']}",
+        run.var_map(),
+        run.opt,
+        global_step=case["steps_before"],
+        optimizer_name=case["optimizer_name"],
+    )
+    return run
+
+
+@pytest.mark.parametrize("case", _ids(NAME_BASED))
+def test_saved_checkpoint_is_tensorflows(case: dict[str, Any], tmp_path: Path) -> None:
+    """Torch's first K steps, saved: TF's names, shapes, dtypes, and TF's values at step K."""
+    _train_and_save(case, tmp_path)
+    ours_prefix = tmp_path / case["id"] / f"model.ckpt-{case['steps_before']}"
+    assert list_tf_checkpoint(ours_prefix) == list_tf_checkpoint(FIXTURES / case["prefix"])
+    assert list_tf_checkpoint(tmp_path / case["id"]) == list_tf_checkpoint(ours_prefix)
+    from torchgrad_compat.checkpoint._bundle import BundleReader
+
+    reader = BundleReader(ours_prefix)
+    rtol, atol = TOLERANCE[case["dtype"]]
+    for name, value in _arrays(case["id"]).items():
+        if name.startswith("saved/"):
+            name = name[len("saved/") :]
+            np.testing.assert_allclose(reader.read(name).numpy(), value, rtol=rtol, atol=atol, err_msg=name)
+
+
+def _tf_python() -> str:
+    if importlib.util.find_spec("tensorflow") is not None:
+        return sys.executable
+    python = os.environ.get("TORCHGRAD_COMPAT_TF_PYTHON")
+    if python is None:
+        pytest.skip(
+            "tensorflow is not importable here; set TORCHGRAD_COMPAT_TF_PYTHON to an interpreter that has it"
+        )
+    return python
+
+
+@pytest.mark.tf_live
+def test_tensorflow_restores_and_continues(tmp_path: Path) -> None:
+    """TF's Saver restores what torch saved after K steps; its M more steps equal torch's."""
+    python = _tf_python()
+    runs = {case["id"]: _train_and_save(case, tmp_path) for case in NAME_BASED}
+    result = subprocess.run(
+        [python, str(GENERATOR), "--restore", str(tmp_path), "--fixtures", str(FIXTURES)],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env={**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2"},
+    )
+    assert result.returncode == 0, result.stderr[-4000:]
+    for case in NAME_BASED:
+        run = runs[case["id"]]
+        for k in range(case["steps_before"] + 1, case["steps_before"] + case["steps_after"] + 1):
+            run.step(k)
+        with np.load(tmp_path / case["id"] / "continued.npz") as npz:
+            theirs = {key: npz[key] for key in npz.files}
+        _assert_close(run.finals(), theirs, case["dtype"])
+
+
+@pytest.mark.tf_live
+def test_generator_reproduces_the_fixtures(run_tf_generator) -> None:
+    tmp_path = run_tf_generator(GENERATOR)
+    fresh = json.loads((tmp_path / "manifest.json").read_text())
+
+    def without_version(entries: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        return [{k: v for k, v in entry.items() if k != "tf_version"} for entry in entries]
+
+    assert without_version(fresh) == without_version(MANIFEST)
+    for case in MANIFEST:
+        rtol, atol = TOLERANCE[case["dtype"]]
+        with np.load(tmp_path / case["id"] / "arrays.npz") as npz:
+            regenerated = {key: npz[key] for key in npz.files}
+        committed = _arrays(case["id"])
+        assert sorted(regenerated) == sorted(committed), case["id"]
+        for key, value in committed.items():
+            np.testing.assert_allclose(
+                regenerated[key], value, rtol=rtol, atol=atol, err_msg=f"{case['id']}/{key}"
+            )
+        assert list_tf_checkpoint(tmp_path / case["prefix"]) == list_tf_checkpoint(FIXTURES / case["prefix"])
+    many = Path("many_variables") / "model.ckpt"
+    assert list_tf_checkpoint(tmp_path / many) == list_tf_checkpoint(FIXTURES / many)
+    conv = Path("conv")
+    assert list_tf_checkpoint(tmp_path / conv) == list_tf_checkpoint(FIXTURES / conv)
+    with np.load(tmp_path / conv / "io.npz") as fresh, np.load(FIXTURES / conv / "io.npz") as old:
+        np.testing.assert_array_equal(fresh["x"], old["x"])
+        np.testing.assert_allclose(fresh["y"], old["y"], rtol=1e-5, atol=1e-5)
+    partitioned = Path("partitioned")
+    assert list_tf_checkpoint(tmp_path / partitioned) == list_tf_checkpoint(FIXTURES / partitioned)
+    with (
+        np.load(tmp_path / partitioned / "values.npz") as fresh,
+        np.load(FIXTURES / partitioned / "values.npz") as old,
+    ):
+        assert sorted(fresh.files) == sorted(old.files)
+        for key in old.files:
+            np.testing.assert_allclose(fresh[key], old[key], rtol=1e-5, atol=1e-6, err_msg=key)
+
+
+# ---------------------------------------------------------------------- round trip, paths
+@pytest.mark.parametrize("case", _ids(NAME_BASED))
+def test_save_then_load_is_bitwise(case: dict[str, Any], tmp_path: Path) -> None:
+    run = _train_and_save(case, tmp_path)
+    other = Run(case, init=False)
+    info = load_tf_checkpoint(
+        tmp_path / case["id"], other.var_map(), other.opt, optimizer_name=case["optimizer_name"]
+    )
+    assert info.global_step == case["steps_before"] and info.unused == []
+    ours, theirs = run.finals(), other.finals()
+    assert sorted(ours) == sorted(theirs)
+    for key in ours:
+        np.testing.assert_array_equal(theirs[key], ours[key], err_msg=key)
+    if isinstance(run.inner, tgo.AdagradDAOptimizer):
+        assert int(_optimizer_wide_state(other.inner)[0]["global_step"]) == case["steps_before"]
+
+
+def _copy_case(case: dict[str, Any], tmp_path: Path) -> Path:
+    folder = tmp_path / case["id"]
+    shutil.copytree(FIXTURES / case["id"], folder)
+    return folder / Path(case["prefix"]).name
+
+
+ADAM = next(c for c in NAME_BASED if c["id"] == "name-Adam-default-float32")
+
+
+def test_path_forms(tmp_path: Path) -> None:
+    prefix = _copy_case(ADAM, tmp_path)
+    expected = list_tf_checkpoint(prefix)
+    assert list_tf_checkpoint(prefix.parent) == expected
+    assert list_tf_checkpoint(str(prefix) + ".index") == expected
+    with pytest.raises(FileNotFoundError, match="no TensorFlow checkpoint at path"):
+        list_tf_checkpoint(tmp_path / "nothing")
+    with pytest.raises(FileNotFoundError, match="without a 'checkpoint' state file"):
+        list_tf_checkpoint(tmp_path)
+    with pytest.raises(TypeError, match="path must be a str or os.PathLike"):
+        list_tf_checkpoint(3)
+
+
+def _snapshot(run: Run) -> list[torch.Tensor]:
+    return (
+        [t.detach().clone() for t in run.tensors.values()]
+        + [s.clone() for t in run.tensors.values() for s in (run.inner.state.get(t) or {}).values()]
+        + [v.clone() for v in _optimizer_wide_state(run.inner)[0].values()]
+    )
+
+
+def _unchanged(run: Run, before: list[torch.Tensor]) -> None:
+    after = _snapshot(run)
+    assert len(after) == len(before)
+    for a, b in zip(after, before):
+        assert torch.equal(a, b)
+
+
+def _stepped_run() -> Run:
+    """A run whose optimizer already has slots (so a failed load could have half-written them)."""
+    run = Run(ADAM, init=True)
+    run.step(1)
+    return run
+
+
+@pytest.mark.parametrize("where", ["data", "index"])
+def test_corrupt_bytes_raise_and_change_nothing(where: str, tmp_path: Path) -> None:
+    prefix = _copy_case(ADAM, tmp_path)
+    path = Path(f"{prefix}.data-00000-of-00001") if where == "data" else Path(f"{prefix}.index")
+    raw = bytearray(path.read_bytes())
+    raw[len(raw) // 2] ^= 0x01
+    path.write_bytes(bytes(raw))
+    run = _stepped_run()
+    before = _snapshot(run)
+    with pytest.raises(CorruptCheckpointError, match="CRC32C mismatch"):
+        load_tf_checkpoint(prefix, run.var_map(), run.opt)
+    _unchanged(run, before)
+
+
+def test_truncated_index_raises(tmp_path: Path) -> None:
+    prefix = _copy_case(ADAM, tmp_path)
+    index = Path(f"{prefix}.index")
+    index.write_bytes(index.read_bytes()[:-3])
+    with pytest.raises(CorruptCheckpointError, match="not a TensorFlow checkpoint index"):
+        list_tf_checkpoint(prefix)
+
+
+def test_missing_name_raises_and_changes_nothing() -> None:
+    run = _stepped_run()
+    before = _snapshot(run)
+    var_map = {**run.var_map(), "dense/other": torch.zeros(2)}
+    with pytest.raises(ValueError, match=r"not in the checkpoint: dense/other \(it holds"):
+        load_tf_checkpoint(FIXTURES / ADAM["prefix"], var_map, run.opt)
+    _unchanged(run, before)
+
+
+def test_wrong_optimizer_name_lists_missing_slots() -> None:
+    run = _stepped_run()
+    before = _snapshot(run)
+    with pytest.raises(ValueError, match="dense/bias/Other, dense/bias/Other_1"):
+        load_tf_checkpoint(FIXTURES / ADAM["prefix"], run.var_map(), run.opt, optimizer_name="Other")
+    _unchanged(run, before)
+
+
+def test_shape_mismatch_after_layout_raises_and_changes_nothing() -> None:
+    run = _stepped_run()
+    before = _snapshot(run)
+    var_map = run.var_map()
+    var_map[KERNEL] = run.tensors[KERNEL]  # the transpose forgotten
+    with pytest.raises(ValueError, match=r"dense/kernel: checkpoint shape \[3, 4\], tensor shape \[4, 3\]"):
+        load_tf_checkpoint(FIXTURES / ADAM["prefix"], var_map, run.opt)
+    _unchanged(run, before)
+
+
+def test_dtype_mismatch_raises() -> None:
+    with pytest.raises(ValueError, match="dense/bias: checkpoint dtype float32, tensor dtype torch.float64"):
+        load_tf_checkpoint(FIXTURES / ADAM["prefix"], {"dense/bias": torch.zeros(4, dtype=torch.float64)})
+
+
+@pytest.mark.parametrize(
+    ("value", "error", "match"),
+    [
+        ((torch.zeros(3, 4), "flip"), ValueError, "layout must be 'transpose' or a dim permutation"),
+        ((torch.zeros(3, 4), (0, 0)), ValueError, "is not a permutation of the tensor's 2 dims"),
+        ((torch.zeros(3, 4), ("a", 0)), ValueError, "is not a permutation of the tensor's 2 dims"),
+        ((torch.zeros(3, 4, 1), "transpose"), ValueError, "'transpose' needs a 2-D tensor, got 3-D"),
+        (np.zeros((3, 4)), TypeError, r"var_map\['dense/kernel'\] must be a torch.Tensor, got ndarray"),
+        ((torch.zeros(3, 4), "transpose", 1), TypeError, "must be a tensor or \\(tensor, layout\\)"),
+    ],
+)
+def test_bad_var_map_values(value: Any, error: type, match: str) -> None:
+    with pytest.raises(error, match=match):
+        load_tf_checkpoint(FIXTURES / ADAM["prefix"], {KERNEL: value})
+
+
+def test_bad_arguments() -> None:
+    prefix = FIXTURES / ADAM["prefix"]
+    with pytest.raises(TypeError, match="var_map must be a mapping"):
+        load_tf_checkpoint(prefix, [torch.zeros(3)])
+    w = torch.zeros(4)
+    with pytest.raises(ValueError, match="var_map gives the same tensor for 'a' and 'b'"):
+        load_tf_checkpoint(prefix, {"a": w, "b": w})
+    with pytest.raises(TypeError, match="optimizer must be one of torchgrad_compat.optim's optimizers"):
+        load_tf_checkpoint(prefix, {"dense/bias": w}, torch.optim.SGD([w], lr=0.1))
+    with pytest.raises(ValueError, match="is a directory"):
+        save_tf_checkpoint(FIXTURES, {"dense/bias": w})
+    with pytest.raises(TypeError, match="global_step must be an int"):
+        save_tf_checkpoint(FIXTURES / "x" / "y", {"dense/bias": w}, global_step=1.5)
+
+
+def test_variables_without_optimizer_leave_slots_unused() -> None:
+    bias = torch.zeros(4)
+    info = load_tf_checkpoint(FIXTURES / ADAM["prefix"], {"dense/bias": bias})
+    np.testing.assert_array_equal(bias.numpy(), _arrays(ADAM["id"])["saved/dense/bias"])
+    assert info.loaded == ["dense/bias", "global_step"]
+    assert "dense/bias/Adam" in info.unused and "beta1_power" in info.unused
+
+
+def test_adagrad_da_global_step_tensor_is_loaded_and_saved(tmp_path: Path) -> None:
+    """An AdagradDA given TF's global step as a tensor reads it: the load sets it, the save writes it."""
+    case = next(c for c in NAME_BASED if c["id"] == "name-AdagradDA-default-float32")
+    run = Run(case, init=False)
+    global_step = torch.tensor(0)
+    run.inner = run.opt = tgo.AdagradDAOptimizer(
+        list(run.tensors.values()), global_step=global_step, **case["kwargs"]
+    )
+    run.load()
+    assert int(global_step) == case["steps_before"]
+    for k in range(case["steps_before"] + 1, case["steps_before"] + case["steps_after"] + 1):
+        run.opt.apply_gradients(_pairs(run, k), global_step=global_step)
+    _assert_close(run.finals(), _tf_finals(case), case["dtype"])
+    with pytest.raises(ValueError, match="global_step=2 disagrees with AdagradDAOptimizer's step 6"):
+        save_tf_checkpoint(tmp_path / "model.ckpt", run.var_map(), run.opt, global_step=2)
+    save_tf_checkpoint(tmp_path / "model.ckpt", run.var_map(), run.opt)
+    assert ("global_step", (), "int64") in list_tf_checkpoint(tmp_path)
+
+
+def test_multiple_param_groups_share_optimizer_wide_state() -> None:
+    run = Run(ADAM, init=False)
+    tensors = list(run.tensors.values())
+    run.inner = run.opt = tgo.AdamOptimizer(
+        [{"params": tensors[:1]}, {"params": tensors[1:]}], **ADAM["kwargs"]
+    )
+    run.load()
+    saved = _arrays(ADAM["id"])
+    for group_state in _optimizer_wide_state(run.inner):
+        np.testing.assert_array_equal(group_state["beta1_power"].numpy(), saved["saved/beta1_power"])
+
+
+def test_cross_shard_optimizer_is_seen_through() -> None:
+    """A CrossShardOptimizer adds no state of its own: the slots are its inner optimizer's."""
+    from torchgrad_compat.xla import CrossShardOptimizer
+
+    run = Run(ADAM, init=False)
+    with pytest.warns(UserWarning, match="no torch.distributed process group"):
+        run.opt = CrossShardOptimizer(run.inner)
+    run.load()
+    for k in range(ADAM["steps_before"] + 1, ADAM["steps_before"] + ADAM["steps_after"] + 1):
+        run.step(k)
+    _assert_close(run.finals(), _tf_finals(ADAM), ADAM["dtype"])
+
+
+def test_load_is_a_write_autograd_sees() -> None:
+    bias = torch.nn.Parameter(torch.zeros(4))
+    version = bias._version
+    load_tf_checkpoint(FIXTURES / ADAM["prefix"], {"dense/bias": bias})
+    assert bias._version > version
+
+
+def test_save_refuses_what_tf_cannot_hold(tmp_path: Path) -> None:
+    a, b = torch.nn.Parameter(torch.zeros(2)), torch.nn.Parameter(torch.zeros(3))
+    opt = tgo.AdamOptimizer([{"params": [a]}, {"params": [b], "beta1": 0.5}])
+    with pytest.raises(ValueError, match="the param groups hold different beta1_power"):
+        save_tf_checkpoint(tmp_path / "model.ckpt", {"a": a, "b": b}, opt)
+    opt = tgo.AdamOptimizer([a, b])
+    with pytest.raises(ValueError, match="two tensors would be saved as 'a/Adam'"):
+        save_tf_checkpoint(tmp_path / "model.ckpt", {"a": a, "a/Adam": b}, opt)
+    assert not list(tmp_path.iterdir())
+
+
+class _Model(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.dense = torch.nn.Linear(3, 4)
+        self.embedding = torch.nn.Embedding(6, 3)
+        self.head = torch.nn.Linear(4, 2)  # not in the checkpoint
+        self.norm = torch.nn.BatchNorm1d(4)  # its buffers, not in the checkpoint
+
+
+@pytest.mark.parametrize("case", _ids([c for c in MANIFEST if c["id"].endswith("-Adam-default-float32")]))
+def test_suggest_var_map_matches_by_name_and_shape(case: dict[str, Any]) -> None:
+    from torchgrad_compat.checkpoint import suggest_var_map
+
+    model = _Model()
+    prefix = "model/" if case["format"] == "object" else ""
+    suggested = suggest_var_map(FIXTURES / case["prefix"], model)
+    assert suggested == {
+        f"{prefix}dense/bias": model.dense.bias,
+        f"{prefix}dense/kernel": (model.dense.weight, "transpose"),
+        f"{prefix}embedding/embeddings": model.embedding.weight,
+    }
+    info = load_tf_checkpoint(FIXTURES / case["prefix"], suggested, tgo.AdamOptimizer(model.parameters()))
+    assert info.unused == (["save_counter" + ATTRIBUTE] if case["format"] == "object" else [])
+
+
+def test_suggest_var_map_leaves_ambiguous_and_unmatched_out() -> None:
+    from torchgrad_compat.checkpoint import suggest_var_map
+
+    model = torch.nn.Module()
+    model.dense = torch.nn.Linear(4, 4)  # the checkpoint's kernel is [3, 4]: no layout fits
+    model.outer = torch.nn.Module()
+    model.outer.embedding = torch.nn.Embedding(6, 3)
+    model.other = torch.nn.Module()
+    model.other.embedding = torch.nn.Embedding(6, 3)  # two equally good matches
+    assert suggest_var_map(FIXTURES / ADAM["prefix"], model) == {"dense/bias": model.dense.bias}
+
+
+def test_index_of_many_blocks_with_shared_key_prefixes() -> None:
+    """TF's index of 600 variables spans many table blocks with prefix-compressed keys."""
+    from torchgrad_compat.checkpoint._bundle import BundleReader
+
+    prefix = FIXTURES / "many_variables" / "model.ckpt"
+    expected = {
+        f"block_{i // 10}/layer_with_a_long_name_{i % 10}/kernel": (i, (i % 7 + 1, 3)) for i in range(600)
+    }
+    assert list_tf_checkpoint(prefix) == [(name, expected[name][1], "float32") for name in sorted(expected)]
+    reader = BundleReader(prefix)
+    for name, (value, shape) in expected.items():
+        assert torch.equal(reader.read(name), torch.full(shape, float(value))), name
+
+
+def test_many_variables_round_trip(tmp_path: Path) -> None:
+    tensors = [torch.randn(i % 7 + 1, 3, dtype=torch.float64) for i in range(600)]
+    var_map = {f"block_{i // 10}/layer_{i % 10}/kernel": t for i, t in enumerate(tensors)}
+    save_tf_checkpoint(tmp_path / "model.ckpt", var_map)
+    loaded = {name: torch.zeros_like(t) for name, t in var_map.items()}
+    info = load_tf_checkpoint(tmp_path, loaded)
+    assert info.unused == [] and info.global_step is None
+    for name, t in var_map.items():
+        assert torch.equal(loaded[name], t), name
+
+
+def test_save_before_the_first_step_writes_initial_slots(tmp_path: Path) -> None:
+    """TF creates slots with the graph; a saved optimizer that has not stepped holds their initial values."""
+    w = torch.nn.Parameter(torch.ones(2, 3))
+    opt = tgo.AdagradOptimizer([w], learning_rate=0.1, initial_accumulator_value=0.25)
+    save_tf_checkpoint(tmp_path / "model.ckpt", {"w": (w, "transpose")}, opt, global_step=0)
+    assert list_tf_checkpoint(tmp_path) == [
+        ("global_step", (), "int64"),
+        ("w", (3, 2), "float32"),
+        ("w/Adagrad", (3, 2), "float32"),
+    ]
+    assert not opt.state  # saving made no state
+    w2 = torch.nn.Parameter(torch.zeros(2, 3))
+    fresh = tgo.AdagradOptimizer([w2], learning_rate=0.1)
+    load_tf_checkpoint(tmp_path, {"w": (w2, "transpose")}, fresh)
+    assert torch.equal(w2.detach(), w.detach())
+    assert torch.equal(fresh.get_slot(w2, "accumulator"), torch.full((2, 3), 0.25))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_tensors_load_and_save(tmp_path: Path) -> None:
+    run = Run(ADAM, init=False)
+    model = {name: torch.nn.Parameter(t.detach().to("cuda")) for name, t in run.tensors.items()}
+    opt = tgo.AdamOptimizer(list(model.values()), **ADAM["kwargs"])
+    var_map = {name: (t, "transpose") if name == KERNEL else t for name, t in model.items()}
+    load_tf_checkpoint(FIXTURES / ADAM["prefix"], var_map, opt)
+    saved = _arrays(ADAM["id"])
+    np.testing.assert_array_equal(model["dense/bias"].detach().cpu().numpy(), saved["saved/dense/bias"])
+    assert opt.get_slot(model[KERNEL], "m").device.type == "cuda"
+    save_tf_checkpoint(tmp_path / "model.ckpt-3", var_map, opt, global_step=3)
+    assert list_tf_checkpoint(tmp_path) == list_tf_checkpoint(FIXTURES / ADAM["prefix"])
+
+
+def test_unwritable_dtype_leaves_no_files(tmp_path: Path) -> None:
+    var_map = {"a": torch.zeros(2), "b": torch.zeros(2, dtype=torch.float8_e4m3fn)}
+    with pytest.raises(TypeError, match="cannot write tensor 'b' of dtype torch.float8_e4m3fn"):
+        save_tf_checkpoint(tmp_path / "model.ckpt", var_map)
+    assert not list(tmp_path.iterdir())
+
+
+def test_state_file_names_the_latest_checkpoint(tmp_path: Path) -> None:
+    first, second = torch.ones(2), torch.full((2,), 2.0)
+    save_tf_checkpoint(tmp_path / "model.ckpt-1", {"w": first})
+    save_tf_checkpoint(tmp_path / 'modèle "b".ckpt-2', {"w": second})
+    w = torch.zeros(2)
+    load_tf_checkpoint(tmp_path, {"w": w})
+    assert torch.equal(w, second)
+    assert (tmp_path / "checkpoint").read_text("utf-8") == (
+        'model_checkpoint_path: "modèle \\"b\\".ckpt-2"\n'
+        'all_model_checkpoint_paths: "model.ckpt-1"\n'
+        'all_model_checkpoint_paths: "modèle \\"b\\".ckpt-2"\n'
+    )
+    # Text format may also C-escape the UTF-8 bytes, as octal.
+    octal = "".join(f"\\{byte:03o}" for byte in "è".encode())
+    (tmp_path / "checkpoint").write_text(f'model_checkpoint_path: "mod{octal}le \\"b\\".ckpt-2"\n')
+    assert list_tf_checkpoint(tmp_path) == [("w", (2,), "float32")]
+
+
+PARTITIONED = FIXTURES / "partitioned" / "model.ckpt"
+
+
+def test_partitioned_variables_are_assembled() -> None:
+    """TF stores a partitioned variable (and its slots) in pieces under binary keys; they read as one."""
+    with np.load(FIXTURES / "partitioned" / "values.npz") as npz:
+        saved = {key[len("saved/") :]: npz[key] for key in npz.files}
+    assert list_tf_checkpoint(PARTITIONED) == [
+        (name, saved[name].shape, saved[name].dtype.name) for name in sorted(saved)
+    ]
+    np.testing.assert_array_equal(saved["counts"].ravel(), np.arange(20000, dtype=np.float32))
+    emb = torch.nn.Parameter(torch.zeros(200, 3))
+    counts = torch.zeros(20000, 1)
+    opt = tgo.AdamOptimizer([emb])
+    info = load_tf_checkpoint(PARTITIONED, {"emb": emb, "counts": counts}, opt)
+    assert info.unused == []
+    np.testing.assert_array_equal(emb.detach().numpy(), saved["emb"])
+    np.testing.assert_array_equal(counts.numpy(), saved["counts"])
+    np.testing.assert_array_equal(opt.get_slot(emb, "m").numpy(), saved["emb/Adam"])
+    np.testing.assert_array_equal(opt.get_slot(emb, "v").numpy(), saved["emb/Adam_1"])
+
+
+def test_a_corrupt_piece_raises(tmp_path: Path) -> None:
+    folder = tmp_path / "partitioned"
+    shutil.copytree(FIXTURES / "partitioned", folder)
+    from torchgrad_compat.checkpoint._bundle import BundleReader
+
+    piece = BundleReader(folder / "model.ckpt")._pieces["counts", ((10000, 10000), (0, 1))]
+    data = folder / "model.ckpt.data-00000-of-00001"
+    raw = bytearray(data.read_bytes())
+    raw[piece.offset + 5] ^= 0x10
+    data.write_bytes(bytes(raw))
+    counts = torch.zeros(20000, 1)
+    emb = torch.zeros(200, 3)
+    with pytest.raises(CorruptCheckpointError, match="CRC32C mismatch in tensor"):
+        load_tf_checkpoint(folder / "model.ckpt", {"emb": emb, "counts": counts})
+    assert not counts.any() and not emb.any()
+
+
+def test_conv_and_dense_layouts_give_tensorflows_output() -> None:
+    """A Conv2D kernel (TF's HWIO -> torch's OIHW) and a Dense kernel, found by suggest_var_map,
+    loaded into torch layers: the model's output on TF's input is TF's output."""
+    from torchgrad_compat.checkpoint import suggest_var_map
+
+    model = torch.nn.Module()
+    model.conv = torch.nn.Conv2d(3, 4, 3)
+    model.dense = torch.nn.Linear(64, 5)
+    var_map = suggest_var_map(FIXTURES / "conv", model)
+    assert {name: value[1] for name, value in var_map.items() if isinstance(value, tuple)} == {
+        "conv/kernel": (3, 2, 0, 1),
+        "dense/kernel": "transpose",
+    }
+    opt = tgo.MomentumOptimizer(model.parameters(), learning_rate=0.01, momentum=0.9)
+    assert load_tf_checkpoint(FIXTURES / "conv", var_map, opt).unused == []
+    with np.load(FIXTURES / "conv" / "io.npz") as npz:
+        x, y = torch.tensor(npz["x"]), npz["y"]
+    with torch.no_grad():
+        hidden = model.conv(x.permute(0, 3, 1, 2)).permute(0, 2, 3, 1).reshape(2, -1)  # TF flattens NHWC
+        ours = model.dense(hidden).numpy()
+    np.testing.assert_allclose(ours, y, rtol=1e-5, atol=1e-5)

@@ -1,0 +1,42 @@
+"""TensorFlow checkpoints in and out, optimizer state included, without TensorFlow.
+
+``list_tf_checkpoint`` and ``load_tf_checkpoint`` read TF's tensor bundle
+(``<prefix>.index`` + ``<prefix>.data-*``) directly; ``save_tf_checkpoint``
+writes one that ``tf.compat.v1.train.Saver`` restores. ``suggest_var_map``
+drafts the name map from a module.
+
+Example: a TF Dense layer and its Adam state, out and back in.
+
+    >>> import tempfile, torch
+    >>> from torchgrad_compat.optim import AdamOptimizer
+    >>> layer = torch.nn.Linear(3, 2)
+    >>> opt = AdamOptimizer(layer.parameters(), learning_rate=0.1)
+    >>> layer(torch.ones(1, 3)).sum().backward(); opt.step()
+    >>> var_map = {"dense/kernel": (layer.weight, "transpose"), "dense/bias": layer.bias}
+    >>> tmp = tempfile.TemporaryDirectory()
+    >>> folder = tmp.name
+    >>> _ = save_tf_checkpoint(f"{folder}/model.ckpt-1", var_map, opt, global_step=1)
+    >>> [name for name, shape, dtype in list_tf_checkpoint(folder)]  # doctest: +NORMALIZE_WHITESPACE
+    ['beta1_power', 'beta2_power', 'dense/bias', 'dense/bias/Adam', 'dense/bias/Adam_1',
+     'dense/kernel', 'dense/kernel/Adam', 'dense/kernel/Adam_1', 'global_step']
+    >>> copy = torch.nn.Linear(3, 2)
+    >>> copy_opt = AdamOptimizer(copy.parameters(), learning_rate=0.1)
+    >>> copy_map = {"dense/kernel": (copy.weight, "transpose"), "dense/bias": copy.bias}
+    >>> info = load_tf_checkpoint(folder, copy_map, copy_opt)
+    >>> info.global_step, info.unused, torch.equal(copy.weight, layer.weight)
+    (1, [], True)
+    >>> tmp.cleanup()
+"""
+
+from ._bundle import CorruptCheckpointError
+from ._suggest import suggest_var_map
+from ._tf_checkpoint import LoadInfo, list_tf_checkpoint, load_tf_checkpoint, save_tf_checkpoint
+
+__all__ = [
+    "CorruptCheckpointError",
+    "LoadInfo",
+    "list_tf_checkpoint",
+    "load_tf_checkpoint",
+    "save_tf_checkpoint",
+    "suggest_var_map",
+]
