@@ -80,7 +80,7 @@ def _optimizer_wide_state(opt: tgo.Optimizer) -> list[dict[str, Tensor]]:
 
     The one place that knows where that state lives.
     """
-    return opt._non_slot
+    return [opt._non_slot_of(group) for group in opt.param_groups]
 
 
 def _unwrap(optimizer: Any) -> tuple[tgo.Optimizer | None, DynamicLossScale | None, bool]:
