@@ -53,6 +53,8 @@ class AdadeltaOptimizer(Optimizer):
         rho: decay rate, in ``[0, 1]``.
         epsilon: ``>= 0``.
         foreach: use the multi-tensor path; None picks it where torch would.
+        fused: update through kernels torch.compile generates, one pass over the
+            parameter, its gradient and its slots (CPU and CUDA; see the README).
 
     Raises:
         ValueError: a hyperparameter is out of range, NaN or infinite.
@@ -81,8 +83,9 @@ class AdadeltaOptimizer(Optimizer):
         epsilon: float | Tensor | Any = 1e-08,
         *,
         foreach: bool | None = None,
+        fused: bool | None = None,
     ):
-        defaults = {"lr": learning_rate, "rho": rho, "epsilon": epsilon, "foreach": foreach}
+        defaults = {"lr": learning_rate, "rho": rho, "epsilon": epsilon, "foreach": foreach, "fused": fused}
         super().__init__(params, defaults)
 
     def _init_slots(self, group, p):
@@ -92,7 +95,7 @@ class AdadeltaOptimizer(Optimizer):
         }
 
     def _apply_dense(self, group, params, grads, slots, non_slot, hyper):
-        foreach = self._use_foreach(group, params)
+        foreach, fused = self._update_path(group, params)
         adadelta(
             params,
             grads,
@@ -103,6 +106,7 @@ class AdadeltaOptimizer(Optimizer):
             one_minus_rho=hyper.one - hyper.rho,
             epsilon=hyper.epsilon,
             foreach=foreach,
+            fused=fused,
             scratch=self._scratch(params, 2) if foreach else None,
         )
 
@@ -121,6 +125,7 @@ def adadelta(
     one_minus_rho: Tensor,
     epsilon: Tensor,
     foreach: bool,
+    fused: bool = False,
     scratch: list[list[Tensor]] | None = None,
 ) -> None:
     """Functional form of :class:`AdadeltaOptimizer`'s dense update (scalars already in the params' dtype).
@@ -132,6 +137,7 @@ def adadelta(
         _single_tensor_adadelta,
         _multi_tensor_adadelta,
         foreach=foreach,
+        fused=fused,
         params=params,
         scratch=scratch,
         count=2,

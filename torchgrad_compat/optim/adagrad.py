@@ -50,6 +50,8 @@ class AdagradOptimizer(Optimizer):
         learning_rate: ``>= 0``; a number, a 0-d tensor or a callable.
         initial_accumulator_value: ``> 0``; the accumulator's starting value.
         foreach: use the multi-tensor path; None picks it where torch would.
+        fused: update through kernels torch.compile generates, one pass over the
+            parameter, its gradient and its slots (CPU and CUDA; see the README).
 
     Raises:
         ValueError: a hyperparameter is out of range, NaN or infinite.
@@ -82,11 +84,13 @@ class AdagradOptimizer(Optimizer):
         initial_accumulator_value: float = 0.1,
         *,
         foreach: bool | None = None,
+        fused: bool | None = None,
     ):
         defaults = {
             "lr": learning_rate,
             "initial_accumulator_value": initial_accumulator_value,
             "foreach": foreach,
+            "fused": fused,
         }
         super().__init__(params, defaults)
 
@@ -94,13 +98,14 @@ class AdagradOptimizer(Optimizer):
         return {"accumulator": constant_slot(p, group["initial_accumulator_value"])}
 
     def _apply_dense(self, group, params, grads, slots, non_slot, hyper):
-        foreach = self._use_foreach(group, params)
+        foreach, fused = self._update_path(group, params)
         adagrad(
             params,
             grads,
             [s["accumulator"] for s in slots],
             lr=hyper.lr,
             foreach=foreach,
+            fused=fused,
             scratch=self._scratch(params, 2) if foreach else None,
         )
 
@@ -126,6 +131,7 @@ def adagrad(
     *,
     lr: Tensor,
     foreach: bool,
+    fused: bool = False,
     scratch: list[list[Tensor]] | None = None,
 ) -> None:
     """Functional form of :class:`AdagradOptimizer`'s dense update (``lr`` already in the params' dtype).
@@ -137,6 +143,7 @@ def adagrad(
         _single_tensor_adagrad,
         _multi_tensor_adagrad,
         foreach=foreach,
+        fused=fused,
         params=params,
         scratch=scratch,
         count=2,

@@ -73,6 +73,8 @@ class AdagradDAOptimizer(Optimizer):
         l1_regularization_strength: ``>= 0``.
         l2_regularization_strength: ``>= 0``.
         foreach: use the multi-tensor path; None picks it where torch would.
+        fused: update through kernels torch.compile generates, one pass over the
+            parameter, its gradient and its slots (CPU and CUDA; see the README).
 
     Raises:
         ValueError: a hyperparameter is out of range, NaN or infinite.
@@ -113,6 +115,7 @@ class AdagradDAOptimizer(Optimizer):
         l2_regularization_strength: float | Tensor | Any = 0.0,
         *,
         foreach: bool | None = None,
+        fused: bool | None = None,
     ):
         if global_step is not None:
             _check_global_step(global_step)
@@ -124,6 +127,7 @@ class AdagradDAOptimizer(Optimizer):
             "l1": l1_regularization_strength,
             "l2": l2_regularization_strength,
             "foreach": foreach,
+            "fused": fused,
         }
         super().__init__(params, defaults)
 
@@ -150,7 +154,7 @@ class AdagradDAOptimizer(Optimizer):
         # parameter dtype, its sparse kernel converts it directly (the two
         # differ only past 2**24 steps).
         t = hyper.tensor(self._step_index(non_slot, hyper.device))
-        foreach = self._use_foreach(group, params)
+        foreach, fused = self._update_path(group, params)
         # TF branches on λ₁ > 0 (t_l1=None selects its λ₁ = 0 form). With λ₂ = 0
         # the denominator's λ₂(Tη) is +0, added to √s > 0 (s starts positive and
         # only grows), so it is left out. Only a Python number is tested:
@@ -164,6 +168,7 @@ class AdagradDAOptimizer(Optimizer):
             t_l1=None if hyper.is_zero("l1") else t * hyper.l1,
             l2_t_lr=None if hyper.is_zero("l2") else hyper.l2 * (t * hyper.lr),
             foreach=foreach,
+            fused=fused,
             scratch=self._scratch(params, 1) if foreach else None,
         )
 
@@ -196,6 +201,7 @@ def adagrad_da(
     t_l1: Tensor | None,
     l2_t_lr: Tensor | None,
     foreach: bool,
+    fused: bool = False,
     scratch: list[list[Tensor]] | None = None,
 ) -> None:
     """Functional form of :class:`AdagradDAOptimizer`'s dense update.
@@ -210,6 +216,7 @@ def adagrad_da(
         _single_tensor_adagrad_da,
         _multi_tensor_adagrad_da,
         foreach=foreach,
+        fused=fused,
         params=params,
         scratch=scratch,
         count=1,

@@ -70,6 +70,8 @@ class AdamOptimizer(Optimizer):
         beta2: in ``[0, 1)``.
         epsilon: ``>= 0``.
         foreach: use the multi-tensor path; None picks it where torch would.
+        fused: update through kernels torch.compile generates, one pass over the
+            parameter, its gradient and its slots (CPU and CUDA; see the README).
 
     Raises:
         ValueError: a hyperparameter is out of range, NaN or infinite.
@@ -105,6 +107,7 @@ class AdamOptimizer(Optimizer):
         epsilon: float | Tensor | Any = 1e-08,
         *,
         foreach: bool | None = None,
+        fused: bool | None = None,
     ):
         defaults = {
             "lr": learning_rate,
@@ -113,6 +116,7 @@ class AdamOptimizer(Optimizer):
             "betas": (beta1, beta2),
             "epsilon": epsilon,
             "foreach": foreach,
+            "fused": fused,
         }
         # ``betas`` of each group as last reconciled with ``beta1``/``beta2`` (see _sync_aliases).
         self._synced_betas: list[tuple[Any, Any]] = []
@@ -173,7 +177,7 @@ class AdamOptimizer(Optimizer):
         return {"beta1_power": power(group["beta1"]), "beta2_power": power(group["beta2"])}
 
     def _apply_dense(self, group, params, grads, slots, non_slot, hyper):
-        foreach = self._use_foreach(group, params)
+        foreach, fused = self._update_path(group, params)
         adam(
             params,
             grads,
@@ -184,6 +188,7 @@ class AdamOptimizer(Optimizer):
             one_minus_beta2=hyper.one - hyper.beta2,
             epsilon=hyper.epsilon,
             foreach=foreach,
+            fused=fused,
             scratch=self._scratch(params, 2) if foreach else None,
         )
 
@@ -232,6 +237,7 @@ def adam(
     one_minus_beta2: Tensor,
     epsilon: Tensor,
     foreach: bool,
+    fused: bool = False,
     scratch: list[list[Tensor]] | None = None,
 ) -> None:
     """Functional form of :class:`AdamOptimizer`'s dense update (scalars in the params' dtype).
@@ -240,7 +246,13 @@ def adam(
     path's temporaries (allocated here when None).
     """
     impl = pick_impl(
-        _single_tensor_adam, _multi_tensor_adam, foreach=foreach, params=params, scratch=scratch, count=2
+        _single_tensor_adam,
+        _multi_tensor_adam,
+        foreach=foreach,
+        fused=fused,
+        params=params,
+        scratch=scratch,
+        count=2,
     )
     impl(
         params,

@@ -78,6 +78,8 @@ class FtrlOptimizer(Optimizer):
             gradient in ``linear`` is :math:`g + 2\lambda_s\theta`.
         beta: ``>= 0`` or None (0); adds :math:`\beta/(2\eta)` to the L2 strength.
         foreach: use the multi-tensor path; None picks it where torch would.
+        fused: update through kernels torch.compile generates, one pass over the
+            parameter, its gradient and its slots (CPU and CUDA; see the README).
 
     Raises:
         ValueError: a hyperparameter is out of range, NaN or infinite.
@@ -121,6 +123,7 @@ class FtrlOptimizer(Optimizer):
         beta: float | Tensor | Any | None = None,
         *,
         foreach: bool | None = None,
+        fused: bool | None = None,
     ):
         defaults = {
             "lr": learning_rate,
@@ -131,6 +134,7 @@ class FtrlOptimizer(Optimizer):
             "l2_shrinkage_regularization_strength": l2_shrinkage_regularization_strength,
             "beta": 0.0 if beta is None else beta,
             "foreach": foreach,
+            "fused": fused,
         }
         super().__init__(params, defaults)
 
@@ -145,7 +149,7 @@ class FtrlOptimizer(Optimizer):
         }
 
     def _apply_dense(self, group, params, grads, slots, non_slot, hyper):
-        foreach = self._use_foreach(group, params)
+        foreach, fused = self._update_path(group, params)
         ftrl(
             params,
             grads,
@@ -153,6 +157,7 @@ class FtrlOptimizer(Optimizer):
             [s["linear"] for s in slots],
             **_scalars(hyper),
             foreach=foreach,
+            fused=fused,
             scratch=self._scratch(params, 3) if foreach else None,
         )
 
@@ -220,6 +225,7 @@ def ftrl(
     two_l2_shrinkage: Tensor | None,
     neg_lr_power: Tensor | None,
     foreach: bool,
+    fused: bool = False,
     scratch: list[list[Tensor]] | None = None,
 ) -> None:
     """Functional form of :class:`FtrlOptimizer`'s dense update.
@@ -234,7 +240,13 @@ def ftrl(
     (allocated here when None).
     """
     impl = pick_impl(
-        _single_tensor_ftrl, _multi_tensor_ftrl, foreach=foreach, params=params, scratch=scratch, count=3
+        _single_tensor_ftrl,
+        _multi_tensor_ftrl,
+        foreach=foreach,
+        fused=fused,
+        params=params,
+        scratch=scratch,
+        count=3,
     )
     impl(
         params,

@@ -36,6 +36,8 @@ class GradientDescentOptimizer(Optimizer):
         params: tensors or param-group dicts, as for any torch optimizer.
         learning_rate: step size, ``>= 0``; a number, a 0-d tensor or a callable.
         foreach: use the multi-tensor path; None picks it where torch would.
+        fused: update through kernels torch.compile generates, one pass over the
+            parameter, its gradient and its slots (CPU and CUDA; see the README).
 
     Raises:
         ValueError: ``learning_rate`` is negative, NaN or infinite.
@@ -58,16 +60,18 @@ class GradientDescentOptimizer(Optimizer):
         learning_rate: float | Tensor | Any,
         *,
         foreach: bool | None = None,
+        fused: bool | None = None,
     ):
-        super().__init__(params, {"lr": learning_rate, "foreach": foreach})
+        super().__init__(params, {"lr": learning_rate, "foreach": foreach, "fused": fused})
 
     def _apply_dense(self, group, params, grads, slots, non_slot, hyper):
-        foreach = self._use_foreach(group, params)
+        foreach, fused = self._update_path(group, params)
         gradient_descent(
             params,
             grads,
             lr=hyper.lr,
             foreach=foreach,
+            fused=fused,
             scratch=self._scratch(params, 1) if foreach else None,
         )
 
@@ -81,6 +85,7 @@ def gradient_descent(
     *,
     lr: Tensor,
     foreach: bool,
+    fused: bool = False,
     scratch: list[list[Tensor]] | None = None,
 ) -> None:
     """Functional form of :class:`GradientDescentOptimizer`'s dense update.
@@ -92,6 +97,7 @@ def gradient_descent(
         _single_tensor_gradient_descent,
         _multi_tensor_gradient_descent,
         foreach=foreach,
+        fused=fused,
         params=params,
         scratch=scratch,
         count=1,

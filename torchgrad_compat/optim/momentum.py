@@ -48,6 +48,8 @@ class MomentumOptimizer(Optimizer):
         momentum: ``>= 0``; a number, a 0-d tensor or a callable.
         use_nesterov: use Nesterov momentum.
         foreach: use the multi-tensor path; None picks it where torch would.
+        fused: update through kernels torch.compile generates, one pass over the
+            parameter, its gradient and its slots (CPU and CUDA; see the README).
 
     Raises:
         ValueError: a hyperparameter is out of range, NaN or infinite.
@@ -77,12 +79,14 @@ class MomentumOptimizer(Optimizer):
         use_nesterov: bool = False,
         *,
         foreach: bool | None = None,
+        fused: bool | None = None,
     ):
         defaults = {
             "lr": learning_rate,
             "momentum": momentum,
             "use_nesterov": use_nesterov,
             "foreach": foreach,
+            "fused": fused,
         }
         super().__init__(params, defaults)
 
@@ -90,7 +94,7 @@ class MomentumOptimizer(Optimizer):
         return {"momentum": torch.zeros_like(p, memory_format=torch.preserve_format)}
 
     def _apply_dense(self, group, params, grads, slots, non_slot, hyper):
-        foreach = self._use_foreach(group, params)
+        foreach, fused = self._update_path(group, params)
         use_nesterov = hyper.value("use_nesterov")
         momentum(
             params,
@@ -100,6 +104,7 @@ class MomentumOptimizer(Optimizer):
             momentum=hyper.momentum,
             use_nesterov=use_nesterov,
             foreach=foreach,
+            fused=fused,
             scratch=self._scratch(params, 2 if use_nesterov else 1) if foreach else None,
         )
 
@@ -124,6 +129,7 @@ def momentum(
     momentum: Tensor,
     use_nesterov: bool,
     foreach: bool,
+    fused: bool = False,
     scratch: list[list[Tensor]] | None = None,
 ) -> None:
     """Functional form of :class:`MomentumOptimizer`'s dense update (scalars already in the params' dtype).
@@ -135,6 +141,7 @@ def momentum(
         _single_tensor_momentum,
         _multi_tensor_momentum,
         foreach=foreach,
+        fused=fused,
         params=params,
         scratch=scratch,
         count=2 if use_nesterov else 1,

@@ -68,6 +68,8 @@ class ProximalAdagradOptimizer(Optimizer):
         l1_regularization_strength: ``>= 0``.
         l2_regularization_strength: ``>= 0``.
         foreach: use the multi-tensor path; None picks it where torch would.
+        fused: update through kernels torch.compile generates, one pass over the
+            parameter, its gradient and its slots (CPU and CUDA; see the README).
 
     Raises:
         ValueError: a hyperparameter is out of range, NaN or infinite.
@@ -104,6 +106,7 @@ class ProximalAdagradOptimizer(Optimizer):
         l2_regularization_strength: float | Tensor | Any = 0.0,
         *,
         foreach: bool | None = None,
+        fused: bool | None = None,
     ):
         defaults = {
             "lr": learning_rate,
@@ -111,6 +114,7 @@ class ProximalAdagradOptimizer(Optimizer):
             "l1": l1_regularization_strength,
             "l2": l2_regularization_strength,
             "foreach": foreach,
+            "fused": fused,
         }
         super().__init__(params, defaults)
 
@@ -118,7 +122,7 @@ class ProximalAdagradOptimizer(Optimizer):
         return {"accumulator": constant_slot(p, group["initial_accumulator_value"])}
 
     def _apply_dense(self, group, params, grads, slots, non_slot, hyper):
-        foreach = self._use_foreach(group, params)
+        foreach, fused = self._update_path(group, params)
         scalars = _scalars(hyper)
         proximal_adagrad(
             params,
@@ -126,6 +130,7 @@ class ProximalAdagradOptimizer(Optimizer):
             [s["accumulator"] for s in slots],
             **scalars,
             foreach=foreach,
+            fused=fused,
             scratch=self._scratch(params, 2 if scalars["l1"] is None else 3) if foreach else None,
         )
 
@@ -151,6 +156,7 @@ def proximal_adagrad(
     l1: Tensor | None,
     l2: Tensor | None,
     foreach: bool,
+    fused: bool = False,
     scratch: list[list[Tensor]] | None = None,
 ) -> None:
     """Functional form of :class:`ProximalAdagradOptimizer`'s dense update (scalars in the params' dtype).
@@ -164,6 +170,7 @@ def proximal_adagrad(
         _single_tensor_proximal_adagrad,
         _multi_tensor_proximal_adagrad,
         foreach=foreach,
+        fused=fused,
         params=params,
         scratch=scratch,
         count=2 if l1 is None else 3,

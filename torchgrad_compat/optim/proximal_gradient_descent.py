@@ -59,6 +59,8 @@ class ProximalGradientDescentOptimizer(Optimizer):
         l1_regularization_strength: ``>= 0``.
         l2_regularization_strength: ``>= 0``.
         foreach: use the multi-tensor path; None picks it where torch would.
+        fused: update through kernels torch.compile generates, one pass over the
+            parameter, its gradient and its slots (CPU and CUDA; see the README).
 
     Raises:
         ValueError: a hyperparameter is out of range, NaN or infinite.
@@ -86,22 +88,25 @@ class ProximalGradientDescentOptimizer(Optimizer):
         l2_regularization_strength: float | Tensor | Any = 0.0,
         *,
         foreach: bool | None = None,
+        fused: bool | None = None,
     ):
         defaults = {
             "lr": learning_rate,
             "l1": l1_regularization_strength,
             "l2": l2_regularization_strength,
             "foreach": foreach,
+            "fused": fused,
         }
         super().__init__(params, defaults)
 
     def _apply_dense(self, group, params, grads, slots, non_slot, hyper):
-        foreach = self._use_foreach(group, params)
+        foreach, fused = self._update_path(group, params)
         proximal_gradient_descent(
             params,
             grads,
             **_scalars(hyper),
             foreach=foreach,
+            fused=fused,
             scratch=self._scratch(params, 1) if foreach else None,
         )
 
@@ -133,6 +138,7 @@ def proximal_gradient_descent(
     lr_l1: Tensor | None,
     denom: Tensor | None,
     foreach: bool,
+    fused: bool = False,
     scratch: list[list[Tensor]] | None = None,
 ) -> None:
     """Functional form of :class:`ProximalGradientDescentOptimizer`'s dense update.
@@ -146,6 +152,7 @@ def proximal_gradient_descent(
         _single_tensor_proximal_gradient_descent,
         _multi_tensor_proximal_gradient_descent,
         foreach=foreach,
+        fused=fused,
         params=params,
         scratch=scratch,
         count=1,

@@ -69,6 +69,8 @@ class RMSPropOptimizer(Optimizer):
         epsilon: ``>= 0``.
         centered: normalise by the centered second moment (adds the ``mg`` slot).
         foreach: use the multi-tensor path; None picks it where torch would.
+        fused: update through kernels torch.compile generates, one pass over the
+            parameter, its gradient and its slots (CPU and CUDA; see the README).
 
     Raises:
         ValueError: a hyperparameter is out of range, NaN or infinite.
@@ -102,6 +104,7 @@ class RMSPropOptimizer(Optimizer):
         centered: bool = False,
         *,
         foreach: bool | None = None,
+        fused: bool | None = None,
     ):
         defaults = {
             "lr": learning_rate,
@@ -110,6 +113,7 @@ class RMSPropOptimizer(Optimizer):
             "epsilon": epsilon,
             "centered": centered,
             "foreach": foreach,
+            "fused": fused,
         }
         super().__init__(params, defaults)
 
@@ -127,7 +131,7 @@ class RMSPropOptimizer(Optimizer):
 
     def _apply_dense(self, group, params, grads, slots, non_slot, hyper):
         centered = group["centered"]
-        foreach = self._use_foreach(group, params)
+        foreach, fused = self._update_path(group, params)
         rmsprop(
             params,
             grads,
@@ -140,6 +144,7 @@ class RMSPropOptimizer(Optimizer):
             epsilon=hyper.epsilon,
             centered=centered,
             foreach=foreach,
+            fused=fused,
             scratch=self._scratch(params, 2) if foreach else None,
         )
 
@@ -168,6 +173,7 @@ def rmsprop(
     epsilon: Tensor,
     centered: bool,
     foreach: bool,
+    fused: bool = False,
     scratch: list[list[Tensor]] | None = None,
 ) -> None:
     """Functional form of :class:`RMSPropOptimizer`'s dense update (``mgs`` is empty unless centered).
@@ -179,6 +185,7 @@ def rmsprop(
         _single_tensor_rmsprop,
         _multi_tensor_rmsprop,
         foreach=foreach,
+        fused=fused,
         params=params,
         scratch=scratch,
         count=2,
