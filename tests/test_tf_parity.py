@@ -32,6 +32,7 @@ import torch
 import torch.nn.functional as F
 
 import torchgrad_compat.optim as tgo
+import torchgrad_compat.optim._base as optim_base
 
 ROOT = Path(__file__).resolve().parent.parent
 FIXTURES = ROOT / "tests" / "fixtures" / "optim"
@@ -110,8 +111,11 @@ def _numpy(t: torch.Tensor) -> np.ndarray:
     return t.detach().cpu().numpy().copy()
 
 
-def run_case(case: dict[str, Any], mode: str) -> list[tuple[str, np.ndarray, np.ndarray]]:
-    """Run a fixture case; return (what, ours, TF's) for every compared array, in order."""
+def run_case(case: dict[str, Any], mode: str, **path: Any) -> list[tuple[str, np.ndarray, np.ndarray]]:
+    """Run a fixture case; return (what, ours, TF's) for every compared array, in order.
+
+    ``path`` picks the update path (``fused=True``); the default is the reference loop on the CPU.
+    """
     cls = getattr(tgo, case["optimizer"], None)
     if cls is None:
         pytest.fail(f"torchgrad_compat.optim has no {case['optimizer']}, which the fixtures cover")
@@ -119,7 +123,7 @@ def run_case(case: dict[str, Any], mode: str) -> list[tuple[str, np.ndarray, np.
     dtype = getattr(torch, case["dtype"])
     params = [torch.nn.Parameter(torch.tensor(arrays[f"var{i}/init"])) for i in range(len(case["shapes"]))]
     assert all(p.dtype == dtype for p in params)
-    opt = cls(params, **case["kwargs"])
+    opt = cls(params, **case["kwargs"], **path)
     drive = _apply if mode == "apply" else _step
     compared = []
     for k in range(1, case["steps"] + 1):
@@ -146,6 +150,19 @@ def run_case(case: dict[str, Any], mode: str) -> list[tuple[str, np.ndarray, np.
 def test_matches_tensorflow(case: dict[str, Any], mode: str) -> None:
     rtol, atol = TOLERANCE[case["dtype"]]
     for what, ours, theirs in run_case(case, mode):
+        assert ours.dtype == theirs.dtype, f"{what}: dtype {ours.dtype}, TF's is {theirs.dtype}"
+        np.testing.assert_allclose(ours, theirs, rtol=rtol, atol=atol, err_msg=what)
+
+
+@pytest.mark.parametrize(
+    ("case", "mode"),
+    [pytest.param(case, mode, id=f"{case['id']}-{mode}") for case in MANIFEST for mode in MODES],
+)
+def test_fused_matches_tensorflow(case: dict[str, Any], mode: str, monkeypatch) -> None:
+    """The same fixtures through fused=True (chunks of 4 tensors, so that compiling stays quick)."""
+    monkeypatch.setattr(optim_base, "FUSED_CHUNK", 4)
+    rtol, atol = TOLERANCE[case["dtype"]]
+    for what, ours, theirs in run_case(case, mode, fused=True):
         assert ours.dtype == theirs.dtype, f"{what}: dtype {ours.dtype}, TF's is {theirs.dtype}"
         np.testing.assert_allclose(ours, theirs, rtol=rtol, atol=atol, err_msg=what)
 

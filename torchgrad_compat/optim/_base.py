@@ -62,6 +62,8 @@ _CPU_CHUNK_BYTES = 512 * 1024
 # but compile for longer (Adam, 1000 tensors: ~16 s cold at 8, ~31 s at 32, ~75 s at 100).
 FUSED_CHUNK = 32
 _FUSED_DEVICES = ("cpu", "cuda")
+# Graphs a fused update may compile per optimizer rule (dtypes, devices and options), for dynamo.
+_FUSED_GRAPH_LIMIT = 64
 # torch.compile'd reference loops, and the tensors that fill up a last chunk.
 _FUSED_KERNELS: dict[Callable[..., None], Callable[..., None]] = {}
 _FUSED_FILLERS: dict[tuple[torch.device, torch.dtype, int], list[list[Tensor]]] = {}
@@ -998,20 +1000,25 @@ def _run_fused(single: Callable[..., None], *lists: list[Tensor], **scalars: Any
     kernel = _FUSED_KERNELS.get(single)
     if kernel is None:
         kernel = _FUSED_KERNELS[single] = torch.compile(single, dynamic=True, fullgraph=True)
-    for start in range(0, len(kernel_rows), FUSED_CHUNK):
-        rows = kernel_rows[start : start + FUSED_CHUNK]
-        # Flat aliases that are not views (detach after view): the graph would guard on a view's base.
-        chunk = [[lst[i].view(-1).detach() for i in rows] if lst else [] for lst in lists]
-        missing = FUSED_CHUNK - len(rows)
-        if missing:
-            fillers = _filler(params[0], len(used))
-            # The last call moved them: every call sees the same values.
-            torch._foreach_zero_([t for fill in fillers for t in fill])
-            for lst, fill in zip([c for c in chunk if c], fillers, strict=True):
-                lst.extend(fill[:missing])
-        # Without duck shaping, tensors that happen to share a size in the first chunk get
-        # their own symbols, so that the graph does not depend on it.
-        with torch.fx.experimental._config.patch(use_duck_shape=False):
+    # Without duck shaping, tensors that happen to share a size in the first chunk get their own
+    # symbols, so that the graph does not depend on it. Each option an optimizer's rule tests in
+    # Python (Ftrl's l1, l2, shrinkage, power) and each dtype is a graph of its own: more than
+    # dynamo's default limit of 8 per function, which fullgraph turns into an error.
+    with (
+        torch.fx.experimental._config.patch(use_duck_shape=False),
+        torch._dynamo.config.patch(recompile_limit=_FUSED_GRAPH_LIMIT),
+    ):
+        for start in range(0, len(kernel_rows), FUSED_CHUNK):
+            rows = kernel_rows[start : start + FUSED_CHUNK]
+            # Flat aliases that are not views (detach after view): the graph would guard on a view's base.
+            chunk = [[lst[i].view(-1).detach() for i in rows] if lst else [] for lst in lists]
+            missing = FUSED_CHUNK - len(rows)
+            if missing:
+                fillers = _filler(params[0], len(used))
+                # The last call moved them: every call sees the same values.
+                torch._foreach_zero_([t for fill in fillers for t in fill])
+                for lst, fill in zip([c for c in chunk if c], fillers, strict=True):
+                    lst.extend(fill[:missing])
             kernel(*chunk, **scalars)
 
 
