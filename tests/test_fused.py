@@ -8,6 +8,8 @@ contiguous), and so that compiling stays quick.
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 from optim_specs import SPECS, OptimSpec
@@ -179,3 +181,42 @@ def test_fused_on_cuda_matches_the_cpu_reference_loop(spec: OptimSpec, cid: str)
 
     for f, r in zip(run("cuda", fused=True), run("cpu", foreach=False), strict=True):
         torch.testing.assert_close(f, r, rtol=1e-5, atol=1e-6)
+
+
+def test_fused_resumes_bitwise_from_a_state_dict():
+    grads = [torch.sin(torch.arange(60.0) * (k + 1)).reshape(6, 10) for k in range(4)]
+
+    def steps(opt: tgo.Optimizer, w: torch.Tensor, ks: range) -> None:
+        for k in ks:
+            w.grad = grads[k].clone()
+            opt.step()
+
+    w = torch.nn.Parameter(torch.linspace(-1, 1, 60).reshape(6, 10))
+    opt = tgo.AdamOptimizer([w], learning_rate=0.1, fused=True)
+    steps(opt, w, range(2))
+    saved = copy.deepcopy((w.detach(), opt.state_dict()))
+    steps(opt, w, range(2, 4))
+
+    resumed = torch.nn.Parameter(saved[0].clone())
+    opt = tgo.AdamOptimizer([resumed], learning_rate=0.1, fused=True)
+    opt.load_state_dict(saved[1])
+    steps(opt, resumed, range(2, 4))
+    assert torch.equal(resumed, w)
+
+
+def test_loss_scale_optimizer_around_a_fused_optimizer_skips_and_applies_as_the_loop():
+    from torchgrad_compat.amp import DynamicLossScale, LossScaleOptimizer
+
+    results = []
+    for path in ({"fused": True}, {"foreach": False}):
+        w = torch.nn.Parameter(torch.linspace(-1, 1, 40))
+        opt = LossScaleOptimizer(tgo.AdamOptimizer([w], learning_rate=0.1, **path), DynamicLossScale(64.0, 2))
+        for k in range(4):
+            opt.zero_grad()
+            loss = (w * w).sum() * (float("inf") if k == 1 else 1.0)
+            opt.get_scaled_loss(loss).backward()
+            opt.step()
+        results.append((w.detach().clone(), float(opt.loss_scale())))
+    assert results[0][1] == results[1][1] == 64.0  # halved at the inf, doubled after two good steps
+    assert torch.isfinite(results[0][0]).all()
+    torch.testing.assert_close(results[0][0], results[1][0], rtol=2e-5, atol=5e-6)
