@@ -700,3 +700,198 @@ def test_conv_and_dense_layouts_give_tensorflows_output() -> None:
         hidden = model.conv(x.permute(0, 3, 1, 2)).permute(0, 2, 3, 1).reshape(2, -1)  # TF flattens NHWC
         ours = model.dense(hidden).numpy()
     np.testing.assert_allclose(ours, y, rtol=1e-5, atol=1e-5)
+
+
+# ---------------------------------------------------------------------- bad input, strict and partial loads
+def test_slots_of_another_optimizer_raise_and_change_nothing() -> None:
+    """Momentum reading an Adam run: the named error lists every slot it lacks; nothing is loaded."""
+    from torchgrad_compat.checkpoint import CheckpointMismatchError
+
+    run = Run(ADAM, init=True)
+    run.inner = run.opt = tgo.MomentumOptimizer(list(run.tensors.values()), learning_rate=0.1, momentum=0.9)
+    run.step(1)
+    before = _snapshot(run)
+    with pytest.raises(CheckpointMismatchError, match="nothing was loaded") as caught:
+        load_tf_checkpoint(FIXTURES / ADAM["prefix"], run.var_map(), run.opt)
+    assert sorted(caught.value.problems) == sorted(f"{v}/Momentum" for v in run.tensors)
+    assert set(caught.value.problems.values()) == {"not in the checkpoint"}
+    _unchanged(run, before)
+
+
+def test_extra_slots_from_another_optimizer_are_refused() -> None:
+    """Momentum told the slots are named "Adam" would read Adam's m as its momentum: Adam_1 betrays it."""
+    from torchgrad_compat.checkpoint import CheckpointMismatchError
+
+    run = Run(ADAM, init=False)
+    run.inner = run.opt = tgo.MomentumOptimizer(list(run.tensors.values()), learning_rate=0.1, momentum=0.9)
+    with pytest.raises(CheckpointMismatchError) as caught:
+        load_tf_checkpoint(FIXTURES / ADAM["prefix"], run.var_map(), run.opt, optimizer_name="Adam")
+    assert sorted(caught.value.problems) == sorted(f"{v}/Adam_1" for v in run.tensors)
+    assert "MomentumOptimizer does not have" in str(caught.value)
+    assert not run.inner.state and not run.tensors["dense/bias"].any()
+
+
+def test_centered_rmsprop_checkpoint_into_plain_rmsprop_is_refused() -> None:
+    from torchgrad_compat.checkpoint import CheckpointMismatchError
+
+    case = next(c for c in NAME_BASED if c["id"] == "name-RMSProp-centered-float32")
+    run = Run(case, init=False)
+    run.inner = run.opt = tgo.RMSPropOptimizer(list(run.tensors.values()), learning_rate=0.1, momentum=0.9)
+    with pytest.raises(CheckpointMismatchError, match="RMSPropOptimizer does not have") as caught:
+        run.load()
+    assert sorted(caught.value.problems) == sorted(f"{v}/RMSProp_2" for v in run.tensors)
+
+
+def test_partial_load_of_another_optimizers_run() -> None:
+    """strict=False: the weights load, Momentum's slots (absent) are skipped and say why."""
+    run = Run(ADAM, init=False)
+    run.inner = run.opt = tgo.MomentumOptimizer(list(run.tensors.values()), learning_rate=0.1, momentum=0.9)
+    info = load_tf_checkpoint(FIXTURES / ADAM["prefix"], run.var_map(), run.opt, strict=False)
+    assert info.loaded == sorted([*run.tensors, "global_step"])
+    assert info.skipped == {f"{v}/Momentum": "not in the checkpoint" for v in run.tensors}
+    assert sorted(info.unused) == sorted(
+        [
+            *(f"{v}/Adam" for v in run.tensors),
+            *(f"{v}/Adam_1" for v in run.tensors),
+            "beta1_power",
+            "beta2_power",
+        ]
+    )
+    saved = _arrays(ADAM["id"])
+    np.testing.assert_array_equal(run.tensors["dense/bias"].detach().numpy(), saved["saved/dense/bias"])
+    assert not run.inner.state  # no slot loaded: the first step makes them, as in TF
+
+
+def _truncate_data(prefix: Path, keep: int) -> None:
+    data = Path(f"{prefix}.data-00000-of-00001")
+    data.write_bytes(data.read_bytes()[:keep])
+
+
+def test_truncated_data_shard_raises_listing_the_tensors_and_changes_nothing(tmp_path: Path) -> None:
+    prefix = _copy_case(ADAM, tmp_path)
+    from torchgrad_compat.checkpoint._bundle import BundleReader
+
+    entries = BundleReader(prefix).entries
+    cut = entries["dense/kernel/Adam"].offset + 1  # this tensor and every one after it are cut
+    past = sorted(n for n, e in entries.items() if e.offset + e.size > cut)
+    _truncate_data(prefix, cut)
+    run = _stepped_run()
+    before = _snapshot(run)
+    with pytest.raises(
+        CorruptCheckpointError, match="truncated; tensor 'dense/kernel/Adam' runs past"
+    ) as caught:
+        load_tf_checkpoint(prefix, run.var_map(), run.opt)
+    assert sorted(caught.value.problems) == past
+    _unchanged(run, before)
+
+
+def test_bad_crc_lists_the_tensor(tmp_path: Path) -> None:
+    prefix = _copy_case(ADAM, tmp_path)
+    from torchgrad_compat.checkpoint._bundle import BundleReader
+
+    entry = BundleReader(prefix).entries["dense/bias/Adam_1"]
+    data = Path(f"{prefix}.data-00000-of-00001")
+    raw = bytearray(data.read_bytes())
+    raw[entry.offset] ^= 0x40
+    data.write_bytes(bytes(raw))
+    run = _stepped_run()
+    before = _snapshot(run)
+    with pytest.raises(CorruptCheckpointError) as caught:
+        load_tf_checkpoint(prefix, run.var_map(), run.opt)
+    assert list(caught.value.problems) == ["dense/bias/Adam_1"]
+    assert "CRC32C mismatch in tensor 'dense/bias/Adam_1'" in str(caught.value)
+    _unchanged(run, before)
+    # strict=False loads the rest; the corrupt slot keeps its value and the reason is given.
+    slot_before = run.inner.get_slot(run.tensors["dense/bias"], "v").clone()
+    info = load_tf_checkpoint(prefix, run.var_map(), run.opt, strict=False)
+    assert (
+        list(info.skipped) == ["dense/bias/Adam_1"] and "CRC32C mismatch" in info.skipped["dense/bias/Adam_1"]
+    )
+    assert torch.equal(run.inner.get_slot(run.tensors["dense/bias"], "v"), slot_before)
+    np.testing.assert_array_equal(
+        run.inner.get_slot(run.tensors["dense/bias"], "m").numpy(),
+        _arrays(ADAM["id"])["saved/dense/bias/Adam"],
+    )
+
+
+def _with_entries(prefix: Path, out: Path, extra: dict[str, int]) -> Path:
+    """A copy of the checkpoint at ``prefix`` whose index also lists scalar entries of raw TF dtype enums.
+
+    Stands in for what TF writes for a resource or variant tensor (an iterator's state,
+    say): an index entry whose dtype has no torch counterpart.
+    """
+    from torchgrad_compat.checkpoint import _bundle as b
+
+    reader = b.BundleReader(prefix)
+    table = b._read_table(Path(f"{prefix}.index").read_bytes(), "test")
+    for name, enum in extra.items():
+        table.append((name.encode(), b._varint_field(1, enum) + b._length_delimited(2, b"")))
+    table.sort(key=lambda kv: kv[0])
+    out.mkdir(parents=True)
+    Path(f"{out}/model.ckpt.index").write_bytes(b._build_table(table))
+    shutil.copy(reader.data_file(0), f"{out}/model.ckpt.data-00000-of-00001")
+    return out / "model.ckpt"
+
+
+def test_resource_and_variant_entries_are_listed_and_refused(tmp_path: Path) -> None:
+    from torchgrad_compat.checkpoint import CheckpointMismatchError
+
+    prefix = _with_entries(
+        FIXTURES / ADAM["prefix"], tmp_path / "ckpt", {"iterator": 21, "handle": 20, "future": 99}
+    )
+    listed = {name: dtype for name, _, dtype in list_tf_checkpoint(prefix)}
+    assert (listed["iterator"], listed["handle"], listed["future"]) == (
+        "variant",
+        "resource",
+        "dtype_enum_99",
+    )
+    run = Run(ADAM, init=False)
+    var_map = {**run.var_map(), "iterator": torch.zeros(()), "future": torch.zeros(())}
+    with pytest.raises(CheckpointMismatchError) as caught:
+        load_tf_checkpoint(prefix, var_map, run.opt)
+    assert caught.value.problems == {
+        "future": "checkpoint dtype dtype_enum_99 has no torch dtype",
+        "iterator": "checkpoint dtype variant has no torch dtype",
+    }
+    assert not run.inner.state
+    info = load_tf_checkpoint(prefix, var_map, run.opt, strict=False)
+    assert sorted(info.skipped) == ["future", "iterator"] and "handle" in info.unused
+    _assert_loaded_is_tensorflows(run)
+
+
+def _assert_loaded_is_tensorflows(run: Run) -> None:
+    saved = _arrays(run.case["id"])
+    for var, t in run.tensors.items():
+        got = t.detach().T if var == KERNEL else t.detach()
+        np.testing.assert_array_equal(got.numpy(), saved[f"saved/{var}"], err_msg=var)
+
+
+def test_strict_must_be_a_bool() -> None:
+    with pytest.raises(TypeError, match="strict must be a bool, got str: 'no'"):
+        load_tf_checkpoint(FIXTURES / ADAM["prefix"], {}, strict="no")
+
+
+def test_load_holds_one_tensor_beside_the_targets(tmp_path: Path) -> None:
+    """Validation streams the bytes; the copy reads one tensor at a time: Python's heap peaks at
+    about one tensor's bytes, not at the checkpoint's (tracemalloc sees ``bytes`` read from files)."""
+    import tracemalloc
+
+    tensors = [torch.nn.Parameter(torch.randn(50_000)) for _ in range(12)]  # 200 kB each
+    opt = tgo.AdamOptimizer(tensors)
+    for t in tensors:
+        t.grad = torch.ones_like(t)
+    opt.step()
+    var_map = {f"layer{i}/kernel": t for i, t in enumerate(tensors)}
+    save_tf_checkpoint(tmp_path / "model.ckpt", var_map, opt)
+    targets = [torch.nn.Parameter(torch.zeros(50_000)) for _ in range(12)]
+    target_opt = tgo.AdamOptimizer(targets)
+    target_map = dict(zip(var_map, targets))
+    total = 3 * 12 * 50_000 * 4  # 7.2 MB: the variables and both slots
+    tracemalloc.start()
+    try:
+        load_tf_checkpoint(tmp_path, target_map, target_opt)
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert peak < 2 * 50_000 * 4 + 100_000 < total / 10, f"peak {peak} bytes of a {total}-byte checkpoint"
+    assert all(torch.equal(a, b) for a, b in zip(targets, tensors))
