@@ -546,8 +546,8 @@ def test_suggest_var_map_matches_by_name_and_shape(case: dict[str, Any]) -> None
     assert info.unused == (["save_counter" + ATTRIBUTE] if case["format"] == "object" else [])
 
 
-def test_suggest_var_map_leaves_ambiguous_and_unmatched_out() -> None:
-    from torchgrad_compat.checkpoint import suggest_var_map
+def test_suggest_var_map_refuses_ambiguity_listing_the_candidates() -> None:
+    from torchgrad_compat.checkpoint import AmbiguousVarMapError, suggest_var_map
 
     model = torch.nn.Module()
     model.dense = torch.nn.Linear(4, 4)  # the checkpoint's kernel is [3, 4]: no layout fits
@@ -555,7 +555,91 @@ def test_suggest_var_map_leaves_ambiguous_and_unmatched_out() -> None:
     model.outer.embedding = torch.nn.Embedding(6, 3)
     model.other = torch.nn.Module()
     model.other.embedding = torch.nn.Embedding(6, 3)  # two equally good matches
-    assert suggest_var_map(FIXTURES / ADAM["prefix"], model) == {"dense/bias": model.dense.bias}
+    with pytest.raises(AmbiguousVarMapError, match="give these pairs in var_map yourself") as caught:
+        suggest_var_map(FIXTURES / ADAM["prefix"], model)
+    assert caught.value.candidates == {
+        "embedding/embeddings": ["outer.embedding.weight", "other.embedding.weight"]
+    }
+    assert "embedding/embeddings [6, 3]: outer.embedding.weight, other.embedding.weight" in str(caught.value)
+    del model.other
+    suggested = suggest_var_map(FIXTURES / ADAM["prefix"], model)
+    assert suggested == {"dense/bias": model.dense.bias, "embedding/embeddings": model.outer.embedding.weight}
+    assert suggested.unmatched_checkpoint == [("dense/kernel", (3, 4))]
+    assert suggested.unmatched_module == [("dense.weight", (4, 4))]
+
+
+def _keras_named_checkpoint(folder: Path, shapes: dict[str, tuple[int, ...]]) -> Path:
+    """A checkpoint with Keras's default layer names (dense, dense_1, ...), written from torch."""
+    save_tf_checkpoint(folder / "model.ckpt", {name: torch.zeros(shape) for name, shape in shapes.items()})
+    return folder
+
+
+def test_suggest_var_map_by_shape_then_order(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """dense/dense_1 vs hidden/output: shapes decide; two identical 8x8 layers: TF's numbering
+    (dense_2 before dense_10) against the module's order decides, and the report says how."""
+    from torchgrad_compat.checkpoint import suggest_var_map
+
+    folder = _keras_named_checkpoint(
+        tmp_path,
+        {
+            "embedding/embeddings": (10, 3),
+            "dense/kernel": (3, 8),
+            "dense/bias": (8,),
+            "dense_2/kernel": (8, 8),
+            "dense_2/bias": (8,),
+            "dense_10/kernel": (8, 8),
+            "dense_10/bias": (8,),
+            "dense_11/kernel": (8, 2),
+            "dense_11/bias": (2,),
+            "global_step": (),
+        },
+    )
+    model = torch.nn.Module()
+    model.embedding = torch.nn.Embedding(10, 3)
+    model.hidden = torch.nn.Linear(3, 8)
+    model.block_a = torch.nn.Linear(8, 8)
+    model.block_b = torch.nn.Linear(8, 8)
+    model.output = torch.nn.Linear(8, 2)
+    suggested = suggest_var_map(folder, model, verbose=True)
+    assert suggested == {
+        "embedding/embeddings": model.embedding.weight,
+        "dense/kernel": (model.hidden.weight, "transpose"),
+        "dense/bias": model.hidden.bias,
+        "dense_2/kernel": (model.block_a.weight, "transpose"),  # square, and still transposed
+        "dense_2/bias": model.block_a.bias,
+        "dense_10/kernel": (model.block_b.weight, "transpose"),
+        "dense_10/bias": model.block_b.bias,
+        "dense_11/kernel": (model.output.weight, "transpose"),
+        "dense_11/bias": model.output.bias,
+    }
+    how = {m.tf_name: m.how for m in suggested.matches}
+    assert how["embedding/embeddings"] == "name"
+    assert how["dense/kernel"] == how["dense_11/bias"] == "shape"
+    assert how["dense_2/kernel"] == how["dense_10/bias"] == "order"
+    printed = capsys.readouterr().out
+    assert "dense_10/kernel [8, 8] -> block_b.weight [8, 8] (by order, layout 'transpose')" in printed
+    assert "checkpoint variables left out: 0" in printed and "module tensors left out: 0" in printed
+    # Three identical TF layers for two modules: order cannot decide, so it is refused.
+    from torchgrad_compat.checkpoint import AmbiguousVarMapError
+
+    folder2 = _keras_named_checkpoint(
+        tmp_path / "b", {"dense_1/kernel": (8, 8), "dense_2/kernel": (8, 8), "dense_3/kernel": (8, 8)}
+    )
+    with pytest.raises(AmbiguousVarMapError) as caught:
+        suggest_var_map(folder2, model)
+    assert caught.value.candidates["dense_1/kernel"] == ["block_a.weight", "block_b.weight"]
+
+
+def test_suggest_var_map_two_variables_one_tensor_is_ambiguous(tmp_path: Path) -> None:
+    from torchgrad_compat.checkpoint import AmbiguousVarMapError, suggest_var_map
+
+    folder = _keras_named_checkpoint(tmp_path, {"a/dense/bias": (4,), "b/dense/bias": (4,)})
+    model = torch.nn.Module()
+    model.dense = torch.nn.Linear(3, 4)
+    with pytest.raises(AmbiguousVarMapError) as caught:
+        suggest_var_map(folder, model)
+    assert sorted(caught.value.candidates) == ["a/dense/bias", "b/dense/bias"]
+    assert "dense.bias (also the best match of b/dense/bias)" in caught.value.candidates["a/dense/bias"]
 
 
 def test_index_of_many_blocks_with_shared_key_prefixes() -> None:

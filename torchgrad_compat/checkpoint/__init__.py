@@ -29,7 +29,7 @@ Example: a TF Dense layer and its Adam state, out and back in.
 """
 
 from ._bundle import CorruptCheckpointError
-from ._suggest import suggest_var_map
+from ._suggest import AmbiguousVarMapError, SuggestedVarMap, suggest_var_map
 from ._tf_checkpoint import (
     CheckpointMismatchError,
     LoadInfo,
@@ -39,9 +39,11 @@ from ._tf_checkpoint import (
 )
 
 __all__ = [
+    "AmbiguousVarMapError",
     "CheckpointMismatchError",
     "CorruptCheckpointError",
     "LoadInfo",
+    "SuggestedVarMap",
     "list_tf_checkpoint",
     "load_tf_checkpoint",
     "save_tf_checkpoint",
