@@ -979,3 +979,133 @@ def test_load_holds_one_tensor_beside_the_targets(tmp_path: Path) -> None:
         tracemalloc.stop()
     assert peak < 2 * 50_000 * 4 + 100_000 < total / 10, f"peak {peak} bytes of a {total}-byte checkpoint"
     assert all(torch.equal(a, b) for a, b in zip(targets, tensors))
+
+
+# ---------------------------------------------------------------------- train.py's model, trained in TF
+# tests/fixtures/tf_train: scripts/make_tf_train_checkpoint.py trained train.py's model in a TF1
+# graph (Keras's default names, a sparsely trained embedding) for K steps on train.py's batches,
+# saved, and trained M more. scripts/convert_tf_checkpoint.py + train.py --resume must continue it.
+TF_TRAIN = ROOT / "tests" / "fixtures" / "tf_train"
+TF_TRAIN_CASES = {
+    case["optimizer"]: case for case in json.loads((TF_TRAIN / "manifest.json").read_text())["cases"]
+}
+# train.py's state_dict names -> TF's names, and whether TF's is the transpose.
+TRAIN_MODEL_NAMES = {
+    "embedding.weight": ("embedding/embeddings", False),
+    "hidden.weight": ("dense/kernel", True),
+    "hidden.bias": ("dense/bias", False),
+    "output.weight": ("dense_1/kernel", True),
+    "output.bias": ("dense_1/bias", False),
+}
+
+
+def _script(name: str, *args: Any, cwd: Path) -> str:
+    result = subprocess.run(
+        [sys.executable, str(ROOT / "scripts" / name), *map(str, args)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=cwd,
+        env={**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])},
+    )
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    return result.stdout
+
+
+def _convert_and_continue(folder: Path, optimizer: str, tmp_path: Path) -> dict[str, np.ndarray]:
+    """Convert TF's checkpoint, continue it with train.py for M steps; the weights, in TF's layout."""
+    case = TF_TRAIN_CASES[optimizer]
+    converted, continued = tmp_path / "converted.pt", tmp_path / "continued.pt"
+    out = _script(
+        "convert_tf_checkpoint.py", folder / optimizer, converted, "--optimizer", optimizer, cwd=tmp_path
+    )
+    assert "dense/kernel [24, 32] -> hidden.weight [32, 24] (by shape, layout 'transpose')" in out
+    assert "embedding/embeddings [100, 8] -> embedding.weight [100, 8] (by name)" in out
+    assert f"at global step {case['steps_before']}; unused: none" in out
+    args = (
+        "--resume",
+        converted,
+        "--optimizer",
+        optimizer,
+        "--steps",
+        case["steps_after"],
+        "--save",
+        continued,
+    )
+    out = _script("train.py", *args, cwd=tmp_path)
+    assert f"resumed {converted} at step {case['steps_before']}" in out
+    state = torch.load(continued, weights_only=True)
+    assert state["step"] == case["steps_before"] + case["steps_after"]
+    return {
+        tf_name: (state["model"][name].T if transposed else state["model"][name]).numpy()
+        for name, (tf_name, transposed) in TRAIN_MODEL_NAMES.items()
+    }
+
+
+# Three of the ten (a subprocess pair each costs seconds): Adam's non-lazy sparse rule and beta
+# powers, AdagradDA's step from the global step, Ftrl's l1. All ten agree to 2.4e-7 (README).
+@pytest.mark.parametrize("optimizer", ["adam", "adagrad_da", "ftrl"])
+def test_train_script_continues_a_tensorflow_run(optimizer: str, tmp_path: Path) -> None:
+    ours = _convert_and_continue(TF_TRAIN, optimizer, tmp_path)
+    with np.load(TF_TRAIN / optimizer / "reference.npz") as npz:
+        for name, value in ours.items():
+            np.testing.assert_allclose(value, npz[f"final/{name}"], rtol=1e-5, atol=1e-6, err_msg=name)
+
+
+def test_converter_refuses_another_models_checkpoint(tmp_path: Path) -> None:
+    result = subprocess.run(
+        [
+            sys.executable,
+            str(ROOT / "scripts" / "convert_tf_checkpoint.py"),
+            FIXTURES / ADAM["prefix"],
+            "x.pt",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=tmp_path,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+    )
+    assert result.returncode != 0
+    assert "not every variable was matched" in result.stderr and "dense/kernel [3, 4]" in result.stdout
+    assert not (tmp_path / "x.pt").exists()
+
+
+@pytest.mark.tf_live
+def test_tf_train_generator_reproduces_the_fixture(tmp_path: Path) -> None:
+    """TF's run of train.py's model on train.py's batches, regenerated: the fixture; train.py continues it."""
+    python = _tf_python()
+    steps = TF_TRAIN_CASES["adam"]["steps_before"] + TF_TRAIN_CASES["adam"]["steps_after"]
+    _script("train.py", "--export-batches", tmp_path / "batches.npz", "--steps", steps, cwd=tmp_path)
+    fresh = tmp_path / "fresh"
+    result = subprocess.run(
+        [
+            python,
+            str(ROOT / "scripts" / "make_tf_train_checkpoint.py"),
+            "--batches",
+            tmp_path / "batches.npz",
+            "--out",
+            fresh,
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env={**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2"},
+    )
+    assert result.returncode == 0, result.stderr[-4000:]
+    assert json.loads((fresh / "manifest.json").read_text())["cases"] == list(TF_TRAIN_CASES.values())
+    for optimizer, case in TF_TRAIN_CASES.items():
+        assert list_tf_checkpoint(fresh / case["prefix"]) == list_tf_checkpoint(TF_TRAIN / case["prefix"])
+        with (
+            np.load(fresh / optimizer / "reference.npz") as new,
+            np.load(TF_TRAIN / optimizer / "reference.npz") as old,
+        ):
+            assert sorted(new.files) == sorted(old.files)
+            for key in old.files:
+                np.testing.assert_allclose(
+                    new[key], old[key], rtol=1e-5, atol=1e-6, err_msg=f"{optimizer} {key}"
+                )
+    ours = _convert_and_continue(fresh, "adam", tmp_path)
+    with np.load(fresh / "adam" / "reference.npz") as npz:
+        for name, value in ours.items():
+            np.testing.assert_allclose(value, npz[f"final/{name}"], rtol=1e-5, atol=1e-6, err_msg=name)
