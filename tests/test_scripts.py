@@ -1,4 +1,5 @@
-"""The scripts users run: train.py trains (the loss falls), fault_cases.py finds every error named."""
+"""The scripts users run: train.py trains (the loss falls), fault_cases.py finds every error named,
+tf_checkpoint_table.py reports every TF checkpoint case within tolerance."""
 
 from __future__ import annotations
 
@@ -62,3 +63,21 @@ def test_every_hostile_case_gets_a_named_error_and_changes_nothing() -> None:
     assert result.returncode == 0, result.stdout[-6000:] + result.stderr[-2000:]
     total = re.search(r"^\| all \| (\d+) \| (\d+) \|", result.stdout, re.MULTILINE)
     assert total and int(total.group(1)) == int(total.group(2)) > 700, result.stdout
+
+
+def test_tf_checkpoint_table_reports_every_case_within_tolerance() -> None:
+    """scripts/tf_checkpoint_table.py: a row per fixture case, all within the parity tolerance."""
+    import json
+
+    script = TRAIN.with_name("tf_checkpoint_table.py")
+    result = subprocess.run(
+        [sys.executable, str(script), "--no-tf"], capture_output=True, text=True, timeout=300, check=False
+    )
+    assert result.returncode == 0, result.stdout[-6000:] + result.stderr[-2000:]
+    manifest = json.loads((TRAIN.parents[1] / "tests/fixtures/tf_checkpoint/manifest.json").read_text())
+    rows = re.findall(
+        r"^\| ((?:name|object)-\S+) \| .* \| (\S+) \(\S+\) \| (.*) \| — \|$", result.stdout, re.M
+    )
+    assert [row[0] for row in rows] == [case["id"] for case in manifest]
+    assert all(float(tf_to_torch) < 1e-6 for _, tf_to_torch, _ in rows)
+    assert "over tolerance" not in result.stdout
