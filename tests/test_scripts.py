@@ -81,3 +81,26 @@ def test_tf_checkpoint_table_reports_every_case_within_tolerance() -> None:
     assert [row[0] for row in rows] == [case["id"] for case in manifest]
     assert all(float(tf_to_torch) < 1e-6 for _, tf_to_torch, _ in rows)
     assert "over tolerance" not in result.stdout
+
+
+def test_tf_checkpoint_bench_smoke() -> None:
+    """scripts/bench_tf_checkpoint.py on a 0.3 MB checkpoint: a row per reader and writer, with memory."""
+    script = TRAIN.with_name("bench_tf_checkpoint.py")
+    args = ["--mb", "0.3", "--tensors", "3", "--repeats", "1"]
+    if importlib.util.find_spec("tensorflow") is None and "TORCHGRAD_COMPAT_TF_PYTHON" not in os.environ:
+        args.append("--no-tf")
+    result = subprocess.run(
+        [sys.executable, str(script), *args], capture_output=True, text=True, timeout=300, check=False
+    )
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    readers = dict(
+        re.findall(
+            r"^\| ([^|]+?) \| [\d.]+ \| [\d.]+ \| (\d+) \| -?\d+ \| -?[\d.]+x \|$", result.stdout, re.M
+        )
+    )
+    expected = {"load_tf_checkpoint (ours)", "torch.load"}
+    if "--no-tf" not in args:
+        expected.add("tf.train.load_checkpoint + get_tensor")
+    assert set(readers) == expected, result.stdout
+    assert all(int(peak) > 0 for peak in readers.values())
+    assert re.search(r"^\| save_tf_checkpoint \(ours\) \| [\d.]+ \|", result.stdout, re.M), result.stdout
