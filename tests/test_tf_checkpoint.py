@@ -12,7 +12,13 @@ and trained M more steps. Here:
 - save: torch trains the first K steps itself and saves; the checkpoint must
   hold TF's names, shapes and dtypes and (at the parity tolerance) TF's values
   at step K; with TensorFlow available (``TORCHGRAD_COMPAT_TF_PYTHON``), TF's
-  Saver restores it and continues, and must equal torch continuing.
+  Saver restores it and continues, and must equal torch continuing;
+- bad input: every way a load can be refused raises a named error listing the
+  offending names and changes nothing, and ``strict=False`` loads the rest;
+- suggest_var_map: by name, shape and order, ambiguity refused;
+- train.py's model trained in TF (tests/fixtures/tf_train,
+  scripts/make_tf_train_checkpoint.py): scripts/convert_tf_checkpoint.py and
+  ``train.py --resume`` continue it as TF did.
 """
 
 from __future__ import annotations
@@ -1109,3 +1115,17 @@ def test_tf_train_generator_reproduces_the_fixture(tmp_path: Path) -> None:
     with np.load(fresh / "adam" / "reference.npz") as npz:
         for name, value in ours.items():
             np.testing.assert_allclose(value, npz[f"final/{name}"], rtol=1e-5, atol=1e-6, err_msg=name)
+
+
+def test_missing_data_shard_lists_every_tensor(tmp_path: Path) -> None:
+    prefix = _copy_case(ADAM, tmp_path)
+    Path(f"{prefix}.data-00000-of-00001").unlink()
+    run = _stepped_run()
+    before = _snapshot(run)
+    with pytest.raises(CorruptCheckpointError, match="data-00000-of-00001: missing; tensor") as caught:
+        load_tf_checkpoint(prefix, run.var_map(), run.opt)
+    assert sorted(caught.value.problems) == sorted(n for n, _, _ in list_tf_checkpoint(prefix))
+    _unchanged(run, before)
+    info = load_tf_checkpoint(prefix, run.var_map(), run.opt, strict=False)
+    assert info.loaded == [] and info.global_step is None and len(info.skipped) == 12
+    _unchanged(run, before)
