@@ -16,6 +16,12 @@ M more steps) gives one row:
   in an interpreter with TensorFlow: ``--tf-python`` or
   ``TORCHGRAD_COMPAT_TF_PYTHON``), and is compared with torch continuing.
 
+A second table does the same for train.py's model trained in TF
+(tests/fixtures/tf_train, scripts/make_tf_train_checkpoint.py): for each of the
+ten optimizers, torch loads TF's checkpoint (``suggest_var_map`` finds the
+names), runs train.py's steps K+1..K+M on train.py's batches, and its weights
+are compared with TF's.
+
 Each number is the largest absolute difference over every variable, slot,
 optimizer-wide value and loss-scale value, then the largest relative one
 (|Δ| / max(|reference|, 1e-30) where the reference is not 0). The output is a
@@ -40,7 +46,7 @@ import torch
 
 import torchgrad_compat.optim as tgo
 from torchgrad_compat.amp import DynamicLossScale, LossScaleOptimizer
-from torchgrad_compat.checkpoint import load_tf_checkpoint, save_tf_checkpoint
+from torchgrad_compat.checkpoint import load_tf_checkpoint, save_tf_checkpoint, suggest_var_map
 from torchgrad_compat.checkpoint._bundle import BundleReader
 from torchgrad_compat.checkpoint._tf_checkpoint import _optimizer_wide_state
 
@@ -118,6 +124,37 @@ def differences(ours: dict[str, np.ndarray], reference: dict[str, np.ndarray]) -
     return worst, worst_rel, ok
 
 
+def train_model_rows(folder: Path) -> dict[str, tuple[float, float, bool]]:
+    """Per optimizer: train.py's model loaded from TF's checkpoint, stepped on, against TF's weights."""
+    sys.path.insert(0, str(ROOT / "scripts"))
+    import train  # a script beside this one
+
+    torch.set_num_threads(1)
+    rows = {}
+    for case in json.loads((folder / "manifest.json").read_text())["cases"]:
+        model = train.Classifier()
+        cls, hyperparameters = train.optimizer_settings(case["optimizer"], None)
+        opt = cls(model.parameters(), **hyperparameters)
+        var_map = suggest_var_map(folder / case["prefix"], model)
+        load_tf_checkpoint(folder / case["prefix"], var_map, opt)
+        train_set, _ = train.make_datasets(0)
+        batches = train.batch_indices(0)
+        for _ in range(case["steps_before"]):
+            next(batches)
+        for _ in range(case["steps_after"]):
+            opt.zero_grad()
+            train.loss_on(model, train_set.batch(next(batches))).backward()
+            opt.step()
+        ours, reference = {}, {}
+        with np.load(folder / case["optimizer"] / "reference.npz") as npz:
+            for tf_name, value in var_map.items():
+                tensor, layout = value if isinstance(value, tuple) else (value, None)
+                ours[tf_name] = (tensor.detach().T if layout == "transpose" else tensor.detach()).numpy()
+                reference[tf_name] = npz[f"final/{tf_name}"]
+        rows[case["optimizer"]] = differences(ours, reference)
+    return rows
+
+
 def _tf_python(arg: str | None) -> str | None:
     if arg:
         return arg
@@ -139,6 +176,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--tf-python", help="an interpreter with TensorFlow (default: TORCHGRAD_COMPAT_TF_PYTHON)"
     )
+    parser.add_argument("--tf-train", type=Path, default=ROOT / "tests" / "fixtures" / "tf_train")
     parser.add_argument("--no-tf", action="store_true", help="leave the torch -> TF column out")
     args = parser.parse_args(argv)
     manifest = json.loads((args.fixtures / "manifest.json").read_text())
@@ -227,6 +265,13 @@ def main(argv: list[str] | None = None) -> int:
     for name, cells in summary.items():
         values = [cells.get((d, t)) for d in ("tf_to_torch", "torch_to_tf") for t in ("float32", "float64")]
         print(f"| {name} | " + " | ".join("—" if v is None else f"{v:.1e}" for v in values) + " |")
+    train_rows = train_model_rows(args.tf_train)
+    print("\ntrain.py's model trained in TF, continued in torch: max |Δ| (max relative |Δ|) of the weights\n")
+    print("| optimizer | TF → torch, float32 |")
+    print("|---|---:|")
+    for name, cell in train_rows.items():
+        failed = failed or not cell[2]
+        print(f"| {name} | {_cell(cell)} |")
     if python is None:
         print("\n(torch → TF needs TensorFlow: --tf-python or TORCHGRAD_COMPAT_TF_PYTHON)")
     return 1 if failed else 0

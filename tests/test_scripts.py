@@ -81,6 +81,8 @@ def test_tf_checkpoint_table_reports_every_case_within_tolerance() -> None:
     assert [row[0] for row in rows] == [case["id"] for case in manifest]
     assert all(float(tf_to_torch) < 1e-6 for _, tf_to_torch, _ in rows)
     assert "over tolerance" not in result.stdout
+    train_rows = re.findall(r"^\| ([a-z_]+) \| (\S+) \(\S+\) \|$", result.stdout, re.M)
+    assert len(train_rows) == 10 and all(float(delta) < 1e-6 for _, delta in train_rows), result.stdout
 
 
 def test_tf_checkpoint_bench_smoke() -> None:
