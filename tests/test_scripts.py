@@ -106,3 +106,15 @@ def test_tf_checkpoint_bench_smoke() -> None:
     assert set(readers) == expected, result.stdout
     assert all(int(peak) > 0 for peak in readers.values())
     assert re.search(r"^\| save_tf_checkpoint \(ours\) \| [\d.]+ \|", result.stdout, re.M), result.stdout
+
+
+def test_train_script_resumes_bitwise(tmp_path: Path) -> None:
+    """--save after 4 steps, --resume for 4 more: the weights of 8 steps in one run, bitwise."""
+    import torch
+
+    _train("--steps", "8", "--save", str(tmp_path / "whole.pt"))
+    _train("--steps", "4", "--save", str(tmp_path / "half.pt"))
+    _train("--resume", str(tmp_path / "half.pt"), "--steps", "4", "--save", str(tmp_path / "resumed.pt"))
+    whole, resumed = (torch.load(tmp_path / f, weights_only=True) for f in ("whole.pt", "resumed.pt"))
+    assert whole["step"] == resumed["step"] == 8
+    assert all(torch.equal(whole["model"][k], resumed["model"][k]) for k in whole["model"])

@@ -1129,3 +1129,24 @@ def test_missing_data_shard_lists_every_tensor(tmp_path: Path) -> None:
     info = load_tf_checkpoint(prefix, run.var_map(), run.opt, strict=False)
     assert info.loaded == [] and info.global_step is None and len(info.skipped) == 12
     _unchanged(run, before)
+
+
+def test_converter_weights_only_starts_another_optimizer_fresh(tmp_path: Path) -> None:
+    """--weights-only: TF's Adam run's weights, a fresh Momentum optimizer, step 0."""
+    out = _script(
+        "convert_tf_checkpoint.py",
+        TF_TRAIN / "adam",
+        tmp_path / "w.pt",
+        "--optimizer",
+        "momentum",
+        "--weights-only",
+        cwd=tmp_path,
+    )
+    assert "at global step 5; unused: beta1_power, beta2_power, dense/bias/Adam" in out
+    state = torch.load(tmp_path / "w.pt", weights_only=True)
+    assert state["step"] == 0 and state["optimizer"]["state"] == {} and state["optimizer_name"] == "momentum"
+    from torchgrad_compat.checkpoint._bundle import BundleReader
+
+    reader = BundleReader(TF_TRAIN / TF_TRAIN_CASES["adam"]["prefix"])
+    assert torch.equal(state["model"]["hidden.weight"], reader.read("dense/kernel").T)
+    assert torch.equal(state["model"]["embedding.weight"], reader.read("embedding/embeddings"))
