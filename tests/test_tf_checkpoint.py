@@ -1150,3 +1150,25 @@ def test_converter_weights_only_starts_another_optimizer_fresh(tmp_path: Path) -
     reader = BundleReader(TF_TRAIN / TF_TRAIN_CASES["adam"]["prefix"])
     assert torch.equal(state["model"]["hidden.weight"], reader.read("dense/kernel").T)
     assert torch.equal(state["model"]["embedding.weight"], reader.read("embedding/embeddings"))
+
+
+def test_a_checkpoint_renamed_over_mid_load_is_not_mixed_in(tmp_path: Path, monkeypatch: Any) -> None:
+    """The checks and the copies read the same open files: a new checkpoint saved under the same
+    prefix between the two (TF renames its files into place) does not leak into the load."""
+    from torchgrad_compat.checkpoint import _tf_checkpoint
+
+    old = {"w": torch.full((1000,), 1.0), "b": torch.full((10,), 1.0)}
+    save_tf_checkpoint(tmp_path / "model.ckpt", old)
+    validate = _tf_checkpoint._validate
+
+    def validate_then_overwrite(*args: Any) -> Any:
+        result = validate(*args)
+        save_tf_checkpoint(
+            tmp_path / "model.ckpt", {"w": torch.full((1000,), 2.0), "b": torch.full((10,), 2.0)}
+        )
+        return result
+
+    monkeypatch.setattr(_tf_checkpoint, "_validate", validate_then_overwrite)
+    loaded = {"w": torch.zeros(1000), "b": torch.zeros(10)}
+    load_tf_checkpoint(tmp_path / "model.ckpt", loaded)
+    assert torch.equal(loaded["w"], old["w"]) and torch.equal(loaded["b"], old["b"])

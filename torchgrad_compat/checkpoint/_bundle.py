@@ -18,6 +18,7 @@ import math
 import os
 import struct
 import warnings
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -31,6 +32,7 @@ _FOOTER_SIZE = 48  # two block handles padded to 40 bytes, then the 8-byte magic
 _BLOCK_TRAILER_SIZE = 5  # compression type byte + masked CRC32C
 _MASK_DELTA = 0xA282EAD8
 _CHUNK = 4 << 20  # bytes read at a time when a tensor's CRC32C is checked without keeping it
+_MAX_PREAD = 1 << 30  # larger tensors are read in _CHUNK pieces (Linux returns at most ~2 GiB a call)
 # TF's DataType enum -> (its name, torch dtype). Strings, resources, variants and quantized
 # types have no torch dtype; an enum not listed here reads as "dtype_enum_<N>", also without one.
 _DTYPES: dict[int, tuple[str, torch.dtype | None]] = {
@@ -375,6 +377,7 @@ class BundleReader:
     """The entries of a checkpoint's index, and its tensors read on demand (CRC-checked)."""
 
     def __init__(self, prefix: str | os.PathLike[str]):
+        self._fds: dict[int, int] = {}
         self.prefix = str(prefix)
         index = Path(f"{self.prefix}.index")
         where = str(index)
@@ -475,33 +478,61 @@ class BundleReader:
                 f"{entry.dtype} needs {expected}"
             )
 
-    def _open_data(self, entry: BundleEntry):
+    def _data_fd(self, entry: BundleEntry) -> int:
+        """The open data file that holds ``entry``, checked to be long enough.
+
+        Each shard is opened once and kept open until :meth:`close`: the
+        checks of a load and its copies then read the same file, even if a new
+        checkpoint is renamed over the path in between.
+        """
         path = self.data_file(entry.shard)
-        try:
-            f = open(path, "rb")
-        except FileNotFoundError:
-            raise CorruptCheckpointError(f"{path}: missing; tensor {entry.name!r} is stored in it") from None
-        if os.fstat(f.fileno()).st_size < entry.offset + entry.size:
-            f.close()
+        fd = self._fds.get(entry.shard)
+        if fd is None:
+            try:
+                fd = self._fds[entry.shard] = os.open(path, os.O_RDONLY | getattr(os, "O_BINARY", 0))
+            except FileNotFoundError:
+                raise CorruptCheckpointError(
+                    f"{path}: missing; tensor {entry.name!r} is stored in it"
+                ) from None
+        if os.fstat(fd).st_size < entry.offset + entry.size:
             raise CorruptCheckpointError(f"{path}: truncated; tensor {entry.name!r} runs past its end")
-        return f
+        return fd
+
+    def close(self) -> None:
+        """Close the data files (reading again reopens them)."""
+        fds, self._fds = self._fds, {}
+        for fd in fds.values():
+            os.close(fd)
+
+    def __enter__(self) -> BundleReader:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __del__(self) -> None:
+        if getattr(self, "_fds", None):
+            self.close()
+
+    def _chunks(self, entry: BundleEntry) -> Iterator[bytes]:
+        """The entry's bytes, a few MB at a time."""
+        fd = self._data_fd(entry)
+        pos = 0
+        while pos < entry.size:
+            chunk = os.pread(fd, min(entry.size - pos, _CHUNK), entry.offset + pos)
+            if not chunk:
+                path = self.data_file(entry.shard)
+                raise CorruptCheckpointError(f"{path}: truncated; tensor {entry.name!r} runs past its end")
+            pos += len(chunk)
+            yield chunk
 
     def _stream_crc(self, entry: BundleEntry) -> None:
-        path = self.data_file(entry.shard)
         crc32c = _crc32c_module()
         crc = 0
-        with self._open_data(entry) as f:
-            f.seek(entry.offset)
-            left = entry.size
-            while left:
-                chunk = f.read(min(left, _CHUNK))
-                if not chunk:
-                    raise CorruptCheckpointError(
-                        f"{path}: truncated; tensor {entry.name!r} runs past its end"
-                    )
-                crc = crc32c.extend(crc, chunk)
-                left -= len(chunk)
+        for chunk in self._chunks(entry):
+            crc = crc32c.extend(crc, chunk)
         if _mask(crc) != entry.crc32c:
+            path = self.data_file(entry.shard)
             raise CorruptCheckpointError(
                 f"{path}: CRC32C mismatch in tensor {entry.name!r}; the file is corrupt"
             )
@@ -510,12 +541,20 @@ class BundleReader:
         assert entry.torch_dtype is not None
         self._check_size(entry)
         path = self.data_file(entry.shard)
-        with self._open_data(entry) as f:
-            f.seek(entry.offset)
-            buffer = f.read(entry.size)
+        fd = self._data_fd(entry)
+        if entry.size <= _MAX_PREAD:
+            buffer = os.pread(fd, entry.size, entry.offset)
+            crc = _masked_crc(buffer) if len(buffer) == entry.size else None
+        else:  # one pread returns at most ~2 GiB: gather the pieces, checksum them as they come
+            pieces = bytearray()
+            crc32c, value = _crc32c_module(), 0
+            for chunk in self._chunks(entry):
+                pieces += chunk
+                value = crc32c.extend(value, chunk)
+            buffer, crc = pieces, _mask(value)
         if len(buffer) != entry.size:
             raise CorruptCheckpointError(f"{path}: truncated; tensor {entry.name!r} runs past its end")
-        if _masked_crc(buffer) != entry.crc32c:
+        if crc != entry.crc32c:
             raise CorruptCheckpointError(
                 f"{path}: CRC32C mismatch in tensor {entry.name!r}; the file is corrupt"
             )

@@ -380,7 +380,17 @@ def load_tf_checkpoint(
     """
     if not isinstance(strict, bool):
         raise TypeError(f"strict must be a bool, got {type(strict).__name__}: {strict!r}")
-    reader = BundleReader(_resolve_prefix(path))
+    with BundleReader(_resolve_prefix(path)) as reader:
+        return _load(reader, var_map, optimizer, optimizer_name, strict)
+
+
+def _load(
+    reader: BundleReader,
+    var_map: Mapping[str, Tensor | tuple[Tensor, Any]],
+    optimizer: torch.optim.Optimizer | None,
+    optimizer_name: str | None,
+    strict: bool,
+) -> LoadInfo:
     parsed = _parse_var_map(var_map)
     opt, loss_scale, in_lso = _unwrap(optimizer)
     object_based = _OBJECT_GRAPH in reader.entries
