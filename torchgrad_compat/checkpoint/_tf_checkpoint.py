@@ -376,7 +376,10 @@ def load_tf_checkpoint(
     name, shape and dtype is checked and every tensor's CRC32C computed as its
     bytes stream past (none kept); only then is each tensor read and copied
     into its target, one at a time, so at most one tensor's bytes are held
-    beside the targets.
+    beside the targets. The files stay open from the checks to the copies, so a
+    checkpoint saved over the same prefix meanwhile is not read; only a file
+    overwritten in place mid-load (TF never does) could fail a copy's CRC32C
+    after earlier copies were made.
     """
     if not isinstance(strict, bool):
         raise TypeError(f"strict must be a bool, got {type(strict).__name__}: {strict!r}")
