@@ -1172,3 +1172,31 @@ def test_a_checkpoint_renamed_over_mid_load_is_not_mixed_in(tmp_path: Path, monk
     loaded = {"w": torch.zeros(1000), "b": torch.zeros(10)}
     load_tf_checkpoint(tmp_path / "model.ckpt", loaded)
     assert torch.equal(loaded["w"], old["w"]) and torch.equal(loaded["b"], old["b"])
+
+
+def test_suggest_var_map_a_match_by_shape_narrows_the_others(tmp_path: Path) -> None:
+    """A bias-only TF layer fits both Linear layers, until the other TF layer, which fits one of
+    them alone, has taken it; a tensor is never given twice."""
+    from torchgrad_compat.checkpoint import AmbiguousVarMapError, suggest_var_map
+
+    folder = _keras_named_checkpoint(tmp_path / "a", {"a/bias": (8,), "b/kernel": (5, 8), "b/bias": (8,)})
+    model = torch.nn.Module()
+    model.first = torch.nn.Linear(3, 8)
+    model.second = torch.nn.Linear(5, 8)
+    suggested = suggest_var_map(folder, model)
+    assert suggested == {
+        "a/bias": model.first.bias,
+        "b/bias": model.second.bias,
+        "b/kernel": (model.second.weight, "transpose"),
+    }
+    # Two 8x8 layers and a third that fits only one of their two modules: it takes that one,
+    # and the two left for the one module left are refused, not both given it.
+    folder = _keras_named_checkpoint(
+        tmp_path / "b", {"x/kernel": (8, 8), "y/kernel": (8, 8), "z/kernel": (8, 8), "z/bias": (8,)}
+    )
+    model = torch.nn.Module()
+    model.first = torch.nn.Linear(8, 8, bias=False)
+    model.second = torch.nn.Linear(8, 8)
+    with pytest.raises(AmbiguousVarMapError) as caught:
+        suggest_var_map(folder, model)
+    assert caught.value.candidates == {"x/kernel": ["first.weight"], "y/kernel": ["first.weight"]}

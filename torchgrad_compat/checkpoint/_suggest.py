@@ -268,34 +268,48 @@ def suggest_var_map(
             layouts[tf_name] = layout
         return layouts
 
-    candidates = {layer: [m for m in torch_modules if fits(layer, m) is not None] for layer in tf_layers}
+    def assign(layer: str, torch_module: str, how: str) -> None:
+        for tf_name, layout in (fits(layer, torch_module) or {}).items():
+            leaf = _layer_and_leaf(tf_name, "/")[1]
+            take(tf_name, torch_modules[torch_module][_LEAVES.get(leaf, leaf)], layout, how)
+        pending.remove(layer)
+        free.remove(torch_module)
+
+    # Each round: a layer that fits one free module alone takes it (by shape); failing that, a
+    # closed group (n layers that fit the same n modules, which no other layer fits) pairs up
+    # in order. Then the candidates are counted again, until nothing moves.
     module_order = list(torch_modules)
-    groups: dict[tuple[str, ...], list[str]] = {}
-    for layer, fitting in candidates.items():
-        if fitting:
-            groups.setdefault(tuple(fitting), []).append(layer)
-    for fitting, layers in groups.items():
-        if len(fitting) == 1 and len(layers) == 1:
-            how, pairs = "shape", [(layers[0], fitting[0])]
-        elif len(fitting) == len(layers) and len(layers) > 1:
-            how = "order"
-            ordered_layers = sorted(layers, key=_natural_key)
-            ordered_modules = sorted(fitting, key=module_order.index)
-            pairs = list(zip(ordered_layers, ordered_modules, strict=True))
-        else:
-            for layer in layers:
-                for tf_name in tf_layers[layer].values():
-                    ambiguous[tf_name] = [
-                        torch_modules[m][kind]
-                        for m in fitting
-                        for kind, name in tf_layers[layer].items()
-                        if name == tf_name
-                    ]
+    pending, free = set(tf_layers), set(torch_modules)
+    while True:
+        candidates = {
+            layer: [m for m in module_order if m in free and fits(layer, m) is not None] for layer in pending
+        }
+        groups: dict[tuple[str, ...], list[str]] = {}
+        for layer, fitting in candidates.items():
+            if fitting:
+                groups.setdefault(tuple(fitting), []).append(layer)
+        singles = [
+            (layers[0], fitting[0]) for fitting, layers in groups.items() if len(fitting) == len(layers) == 1
+        ]
+        for layer, torch_module in singles:
+            assign(layer, torch_module, "shape")
+        if singles:
             continue
-        for layer, torch_module in pairs:
-            for tf_name, layout in (fits(layer, torch_module) or {}).items():
-                kind = _LEAVES.get(_layer_and_leaf(tf_name, "/")[1], _layer_and_leaf(tf_name, "/")[1])
-                take(tf_name, torch_modules[torch_module][kind], layout, how)
+        closed = [
+            (fitting, layers)
+            for fitting, layers in groups.items()
+            if len(fitting) == len(layers) > 1
+            and not any(set(fitting) & set(candidates[other]) for other in pending if other not in layers)
+        ]
+        for fitting, layers in closed:
+            for layer, torch_module in zip(sorted(layers, key=_natural_key), fitting, strict=True):
+                assign(layer, torch_module, "order")
+        if not closed:
+            break
+    for layer in pending:
+        for kind, tf_name in tf_layers[layer].items():
+            if candidates[layer]:
+                ambiguous[tf_name] = [torch_modules[m][kind] for m in candidates[layer]]
 
     if ambiguous:
         lines = [
