@@ -6,6 +6,9 @@
     python scripts/train.py --loss-scale dynamic          # autocast + LossScaleOptimizer
     PJRT_DEVICE=CPU python scripts/train.py --device xla  # torch_xla, one replica
     torchrun --nproc-per-node 2 scripts/train.py --cross-shard   # CrossShardOptimizer, gloo
+    python scripts/train.py --steps 100 --save run.pt       # then continue it:
+    python scripts/train.py --resume run.pt --steps 100     # steps 101..200, the same batches
+    python scripts/convert_tf_checkpoint.py tf_run/ run.pt  # a TF1 run of this model, then --resume it
 
 The data are synthetic, generated from ``--seed`` (nothing is downloaded): every
 example has 16 dense features and one token out of 100, and its label (one of 4
@@ -31,8 +34,10 @@ import io
 import math
 import os
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from datetime import timedelta
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -134,6 +139,29 @@ class Classifier(nn.Module):
         return self.output(F.relu(self.hidden(x)))
 
 
+def batch_indices(seed: int) -> Iterator[Tensor]:
+    """The examples of step 1, 2, ...: the same sequence for every run of a seed, resumed or not."""
+    generator = torch.Generator().manual_seed(seed + 1)
+    while True:
+        yield torch.randint(TRAIN_SIZE, (BATCH_SIZE,), generator=generator)
+
+
+def export_batches(path: Path, seed: int, steps: int) -> None:
+    """Steps 1..steps' batches as NumPy arrays [steps, BATCH_SIZE, ...]: what a TF run of this model eats."""
+    import numpy as np
+
+    train_set, _ = make_datasets(seed)
+    indices = batch_indices(seed)
+    batches = [train_set.batch(next(indices)) for _ in range(steps)]
+    np.savez(
+        path,
+        features=torch.stack([b.features for b in batches]).numpy(),
+        tokens=torch.stack([b.tokens for b in batches]).numpy(),
+        labels=torch.stack([b.labels for b in batches]).numpy(),
+    )
+    print(f"wrote {steps} batches of {BATCH_SIZE} (seed {seed}) to {path}")
+
+
 def loss_on(model: Classifier, data: Dataset) -> Tensor:
     return F.cross_entropy(model(data.features, data.tokens), data.labels)
 
@@ -178,6 +206,23 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="with --cross-shard: seconds a rank waits for the others in a collective before it raises",
     )
     parser.add_argument(
+        "--save",
+        type=Path,
+        help="write the model, the optimizer (state_dict) and the step count here at the end",
+    )
+    parser.add_argument(
+        "--resume",
+        type=Path,
+        help="continue a run --save (or scripts/convert_tf_checkpoint.py) wrote: its weights, optimizer "
+        "state and step count; --steps more steps follow, on the batches the run would have drawn next",
+    )
+    parser.add_argument(
+        "--export-batches",
+        type=Path,
+        help="write the first --steps batches (features, tokens, labels) as .npz and exit: the data a "
+        "TensorFlow run of this model trains on (scripts/make_tf_train_checkpoint.py)",
+    )
+    parser.add_argument(
         "--loss-scale",
         default="none",
         help="none, dynamic, or a fixed number >= 1: wrap the optimizer in LossScaleOptimizer and "
@@ -193,6 +238,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         parser.error(f"--timeout must be a positive number of seconds, got {args.timeout}")
     if args.steps < 1:
         parser.error(f"--steps must be at least 1, got {args.steps}")
+    if args.resume is not None and not args.resume.is_file():
+        parser.error(f"--resume {str(args.resume)!r}: no such file")
     if args.device == "cuda" and not torch.cuda.is_available():
         parser.error("--device cuda was requested but torch.cuda.is_available() is False")
     if args.device == "xla":
@@ -262,20 +309,26 @@ def train(args: argparse.Namespace) -> None:
     model = Classifier(sparse=device.type != "xla").to(device)
     cls, hyperparameters = optimizer_settings(args.optimizer, args.lr)
     opt = cls(model.parameters(), **hyperparameters)
+    inner = opt
+    start = 0
+    if args.resume is not None:
+        start = resume(args, model, inner, device)
     if args.cross_shard:
         opt = CrossShardOptimizer(opt)  # reduction="mean": the gradient of the whole batch
     if args.loss_scale is not None:
         opt = LossScaleOptimizer(opt, args.loss_scale)  # around everything: every rank skips together
-    global_step = torch.zeros((), dtype=torch.int64, device=device)  # TF style only
-    batches = torch.Generator().manual_seed(args.seed + 1)
+    global_step = torch.full((), start, dtype=torch.int64, device=device)  # TF style only
+    batches = batch_indices(args.seed)
+    for _ in range(start):
+        next(batches)  # the batches the resumed run already trained on
     describe_run(args, opt, hyperparameters)
 
     first_loss, accuracy = evaluate(model, train_set)
-    print(f"step {0:>5}  training loss {first_loss:.4f}  training accuracy {accuracy:6.1%}")
+    print(f"step {start:>5}  training loss {first_loss:.4f}  training accuracy {accuracy:6.1%}")
     log_every = max(1, args.steps // 10)
-    start = time.perf_counter()
-    for step in range(1, args.steps + 1):
-        index = torch.randint(TRAIN_SIZE, (BATCH_SIZE,), generator=batches).to(device)
+    started = time.perf_counter()
+    for step in range(start + 1, start + args.steps + 1):
+        index = next(batches).to(device)
         batch = train_set.batch(index[rank::world])  # this rank's share of the batch
         with mixed_precision(args, device):
             loss = loss_on(model, batch)
@@ -287,10 +340,10 @@ def train(args: argparse.Namespace) -> None:
             opt.minimize(loss, global_step=global_step)  # LossScaleOptimizer scales it itself
         if device.type == "xla":
             end_of_step()
-        if step % log_every == 0 or step == args.steps:
+        if (step - start) % log_every == 0 or step == start + args.steps:
             last_loss, accuracy = evaluate(model, train_set)
             print(f"step {step:>5}  training loss {last_loss:.4f}  training accuracy {accuracy:6.1%}")
-    seconds = time.perf_counter() - start
+    seconds = time.perf_counter() - started
 
     _, held_out_accuracy = evaluate(model, held_out)
     counted = f" (global_step {int(global_step)})" if args.style == "tf" else ""
@@ -300,6 +353,36 @@ def train(args: argparse.Namespace) -> None:
         f"done: {cls.__name__}, {args.steps} steps{counted} in {seconds:.2f} s: training loss "
         f"{first_loss:.4f} -> {last_loss:.4f}, held-out accuracy {held_out_accuracy:.1%}"
     )
+    if args.save is not None and rank == 0:
+        save(args.save, model, inner, start + args.steps, args.optimizer)
+        print(f"saved step {start + args.steps} to {args.save}")
+
+
+def save(path: Path, model: nn.Module, opt: Optimizer, step: int, optimizer: str) -> None:
+    """What --resume reads: the model's and the optimizer's state_dicts, the step count, the optimizer."""
+    torch.save(
+        {
+            "model": model.state_dict(),
+            "optimizer": opt.state_dict(),
+            "step": step,
+            "optimizer_name": optimizer,
+        },
+        path,
+    )
+
+
+def resume(args: argparse.Namespace, model: nn.Module, opt: Optimizer, device: torch.device) -> int:
+    """Load a --save (or convert_tf_checkpoint.py) file into the model and optimizer; the steps it ran."""
+    saved = torch.load(args.resume, map_location=device, weights_only=True)
+    if saved["optimizer_name"] != args.optimizer:
+        raise SystemExit(
+            f"--resume {str(args.resume)!r} holds a {saved['optimizer_name']} run; "
+            f"pass --optimizer {saved['optimizer_name']} (its state does not fit {args.optimizer}'s)"
+        )
+    model.load_state_dict(saved["model"])
+    opt.load_state_dict(saved["optimizer"])
+    print(f"resumed {args.resume} at step {saved['step']}")
+    return int(saved["step"])
 
 
 def xla_device() -> torch.device:
@@ -317,6 +400,9 @@ def end_of_step() -> None:
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
+    if args.export_batches is not None:
+        export_batches(args.export_batches, args.seed, args.steps)
+        return
     if not args.cross_shard:
         train(args)
         return

@@ -1,4 +1,5 @@
-"""The scripts users run: train.py trains (the loss falls), fault_cases.py finds every error named."""
+"""The scripts users run: train.py trains (the loss falls), fault_cases.py finds every error named,
+tf_checkpoint_table.py reports every TF checkpoint case within tolerance."""
 
 from __future__ import annotations
 
@@ -62,3 +63,58 @@ def test_every_hostile_case_gets_a_named_error_and_changes_nothing() -> None:
     assert result.returncode == 0, result.stdout[-6000:] + result.stderr[-2000:]
     total = re.search(r"^\| all \| (\d+) \| (\d+) \|", result.stdout, re.MULTILINE)
     assert total and int(total.group(1)) == int(total.group(2)) > 700, result.stdout
+
+
+def test_tf_checkpoint_table_reports_every_case_within_tolerance() -> None:
+    """scripts/tf_checkpoint_table.py: a row per fixture case, all within the parity tolerance."""
+    import json
+
+    script = TRAIN.with_name("tf_checkpoint_table.py")
+    result = subprocess.run(
+        [sys.executable, str(script), "--no-tf"], capture_output=True, text=True, timeout=300, check=False
+    )
+    assert result.returncode == 0, result.stdout[-6000:] + result.stderr[-2000:]
+    manifest = json.loads((TRAIN.parents[1] / "tests/fixtures/tf_checkpoint/manifest.json").read_text())
+    rows = re.findall(
+        r"^\| ((?:name|object)-\S+) \| .* \| (\S+) \(\S+\) \| (.*) \| — \|$", result.stdout, re.M
+    )
+    assert [row[0] for row in rows] == [case["id"] for case in manifest]
+    assert all(float(tf_to_torch) < 1e-6 for _, tf_to_torch, _ in rows)
+    assert "over tolerance" not in result.stdout
+    train_rows = re.findall(r"^\| ([a-z_]+) \| (\S+) \(\S+\) \|$", result.stdout, re.M)
+    assert len(train_rows) == 10 and all(float(delta) < 1e-6 for _, delta in train_rows), result.stdout
+
+
+def test_tf_checkpoint_bench_smoke() -> None:
+    """scripts/bench_tf_checkpoint.py on a 0.3 MB checkpoint: a row per reader and writer, with memory."""
+    script = TRAIN.with_name("bench_tf_checkpoint.py")
+    args = ["--mb", "0.3", "--tensors", "3", "--repeats", "1"]
+    if importlib.util.find_spec("tensorflow") is None and "TORCHGRAD_COMPAT_TF_PYTHON" not in os.environ:
+        args.append("--no-tf")
+    result = subprocess.run(
+        [sys.executable, str(script), *args], capture_output=True, text=True, timeout=300, check=False
+    )
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    readers = dict(
+        re.findall(
+            r"^\| ([^|]+?) \| [\d.]+ \| [\d.]+ \| (\d+) \| -?\d+ \| -?[\d.]+x \|$", result.stdout, re.M
+        )
+    )
+    expected = {"load_tf_checkpoint (ours)", "torch.load"}
+    if "--no-tf" not in args:
+        expected.add("tf.train.load_checkpoint + get_tensor")
+    assert set(readers) == expected, result.stdout
+    assert all(int(peak) > 0 for peak in readers.values())
+    assert re.search(r"^\| save_tf_checkpoint \(ours\) \| [\d.]+ \|", result.stdout, re.M), result.stdout
+
+
+def test_train_script_resumes_bitwise(tmp_path: Path) -> None:
+    """--save after 4 steps, --resume for 4 more: the weights of 8 steps in one run, bitwise."""
+    import torch
+
+    _train("--steps", "8", "--save", str(tmp_path / "whole.pt"))
+    _train("--steps", "4", "--save", str(tmp_path / "half.pt"))
+    _train("--resume", str(tmp_path / "half.pt"), "--steps", "4", "--save", str(tmp_path / "resumed.pt"))
+    whole, resumed = (torch.load(tmp_path / f, weights_only=True) for f in ("whole.pt", "resumed.pt"))
+    assert whole["step"] == resumed["step"] == 8
+    assert all(torch.equal(whole["model"][k], resumed["model"][k]) for k in whole["model"])

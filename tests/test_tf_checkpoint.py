@@ -12,7 +12,13 @@ and trained M more steps. Here:
 - save: torch trains the first K steps itself and saves; the checkpoint must
   hold TF's names, shapes and dtypes and (at the parity tolerance) TF's values
   at step K; with TensorFlow available (``TORCHGRAD_COMPAT_TF_PYTHON``), TF's
-  Saver restores it and continues, and must equal torch continuing.
+  Saver restores it and continues, and must equal torch continuing;
+- bad input: every way a load can be refused raises a named error listing the
+  offending names and changes nothing, and ``strict=False`` loads the rest;
+- suggest_var_map: by name, shape and order, ambiguity refused;
+- train.py's model trained in TF (tests/fixtures/tf_train,
+  scripts/make_tf_train_checkpoint.py): scripts/convert_tf_checkpoint.py and
+  ``train.py --resume`` continue it as TF did.
 """
 
 from __future__ import annotations
@@ -546,8 +552,8 @@ def test_suggest_var_map_matches_by_name_and_shape(case: dict[str, Any]) -> None
     assert info.unused == (["save_counter" + ATTRIBUTE] if case["format"] == "object" else [])
 
 
-def test_suggest_var_map_leaves_ambiguous_and_unmatched_out() -> None:
-    from torchgrad_compat.checkpoint import suggest_var_map
+def test_suggest_var_map_refuses_ambiguity_listing_the_candidates() -> None:
+    from torchgrad_compat.checkpoint import AmbiguousVarMapError, suggest_var_map
 
     model = torch.nn.Module()
     model.dense = torch.nn.Linear(4, 4)  # the checkpoint's kernel is [3, 4]: no layout fits
@@ -555,7 +561,91 @@ def test_suggest_var_map_leaves_ambiguous_and_unmatched_out() -> None:
     model.outer.embedding = torch.nn.Embedding(6, 3)
     model.other = torch.nn.Module()
     model.other.embedding = torch.nn.Embedding(6, 3)  # two equally good matches
-    assert suggest_var_map(FIXTURES / ADAM["prefix"], model) == {"dense/bias": model.dense.bias}
+    with pytest.raises(AmbiguousVarMapError, match="give these pairs in var_map yourself") as caught:
+        suggest_var_map(FIXTURES / ADAM["prefix"], model)
+    assert caught.value.candidates == {
+        "embedding/embeddings": ["outer.embedding.weight", "other.embedding.weight"]
+    }
+    assert "embedding/embeddings [6, 3]: outer.embedding.weight, other.embedding.weight" in str(caught.value)
+    del model.other
+    suggested = suggest_var_map(FIXTURES / ADAM["prefix"], model)
+    assert suggested == {"dense/bias": model.dense.bias, "embedding/embeddings": model.outer.embedding.weight}
+    assert suggested.unmatched_checkpoint == [("dense/kernel", (3, 4))]
+    assert suggested.unmatched_module == [("dense.weight", (4, 4))]
+
+
+def _keras_named_checkpoint(folder: Path, shapes: dict[str, tuple[int, ...]]) -> Path:
+    """A checkpoint with Keras's default layer names (dense, dense_1, ...), written from torch."""
+    save_tf_checkpoint(folder / "model.ckpt", {name: torch.zeros(shape) for name, shape in shapes.items()})
+    return folder
+
+
+def test_suggest_var_map_by_shape_then_order(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """dense/dense_1 vs hidden/output: shapes decide; two identical 8x8 layers: TF's numbering
+    (dense_2 before dense_10) against the module's order decides, and the report says how."""
+    from torchgrad_compat.checkpoint import suggest_var_map
+
+    folder = _keras_named_checkpoint(
+        tmp_path,
+        {
+            "embedding/embeddings": (10, 3),
+            "dense/kernel": (3, 8),
+            "dense/bias": (8,),
+            "dense_2/kernel": (8, 8),
+            "dense_2/bias": (8,),
+            "dense_10/kernel": (8, 8),
+            "dense_10/bias": (8,),
+            "dense_11/kernel": (8, 2),
+            "dense_11/bias": (2,),
+            "global_step": (),
+        },
+    )
+    model = torch.nn.Module()
+    model.embedding = torch.nn.Embedding(10, 3)
+    model.hidden = torch.nn.Linear(3, 8)
+    model.block_a = torch.nn.Linear(8, 8)
+    model.block_b = torch.nn.Linear(8, 8)
+    model.output = torch.nn.Linear(8, 2)
+    suggested = suggest_var_map(folder, model, verbose=True)
+    assert suggested == {
+        "embedding/embeddings": model.embedding.weight,
+        "dense/kernel": (model.hidden.weight, "transpose"),
+        "dense/bias": model.hidden.bias,
+        "dense_2/kernel": (model.block_a.weight, "transpose"),  # square, and still transposed
+        "dense_2/bias": model.block_a.bias,
+        "dense_10/kernel": (model.block_b.weight, "transpose"),
+        "dense_10/bias": model.block_b.bias,
+        "dense_11/kernel": (model.output.weight, "transpose"),
+        "dense_11/bias": model.output.bias,
+    }
+    how = {m.tf_name: m.how for m in suggested.matches}
+    assert how["embedding/embeddings"] == "name"
+    assert how["dense/kernel"] == how["dense_11/bias"] == "shape"
+    assert how["dense_2/kernel"] == how["dense_10/bias"] == "order"
+    printed = capsys.readouterr().out
+    assert "dense_10/kernel [8, 8] -> block_b.weight [8, 8] (by order, layout 'transpose')" in printed
+    assert "checkpoint variables left out: 0" in printed and "module tensors left out: 0" in printed
+    # Three identical TF layers for two modules: order cannot decide, so it is refused.
+    from torchgrad_compat.checkpoint import AmbiguousVarMapError
+
+    folder2 = _keras_named_checkpoint(
+        tmp_path / "b", {"dense_1/kernel": (8, 8), "dense_2/kernel": (8, 8), "dense_3/kernel": (8, 8)}
+    )
+    with pytest.raises(AmbiguousVarMapError) as caught:
+        suggest_var_map(folder2, model)
+    assert caught.value.candidates["dense_1/kernel"] == ["block_a.weight", "block_b.weight"]
+
+
+def test_suggest_var_map_two_variables_one_tensor_is_ambiguous(tmp_path: Path) -> None:
+    from torchgrad_compat.checkpoint import AmbiguousVarMapError, suggest_var_map
+
+    folder = _keras_named_checkpoint(tmp_path, {"a/dense/bias": (4,), "b/dense/bias": (4,)})
+    model = torch.nn.Module()
+    model.dense = torch.nn.Linear(3, 4)
+    with pytest.raises(AmbiguousVarMapError) as caught:
+        suggest_var_map(folder, model)
+    assert sorted(caught.value.candidates) == ["a/dense/bias", "b/dense/bias"]
+    assert "dense.bias (also the best match of b/dense/bias)" in caught.value.candidates["a/dense/bias"]
 
 
 def test_index_of_many_blocks_with_shared_key_prefixes() -> None:
@@ -700,3 +790,413 @@ def test_conv_and_dense_layouts_give_tensorflows_output() -> None:
         hidden = model.conv(x.permute(0, 3, 1, 2)).permute(0, 2, 3, 1).reshape(2, -1)  # TF flattens NHWC
         ours = model.dense(hidden).numpy()
     np.testing.assert_allclose(ours, y, rtol=1e-5, atol=1e-5)
+
+
+# ---------------------------------------------------------------------- bad input, strict and partial loads
+def test_slots_of_another_optimizer_raise_and_change_nothing() -> None:
+    """Momentum reading an Adam run: the named error lists every slot it lacks; nothing is loaded."""
+    from torchgrad_compat.checkpoint import CheckpointMismatchError
+
+    run = Run(ADAM, init=True)
+    run.inner = run.opt = tgo.MomentumOptimizer(list(run.tensors.values()), learning_rate=0.1, momentum=0.9)
+    run.step(1)
+    before = _snapshot(run)
+    with pytest.raises(CheckpointMismatchError, match="nothing was loaded") as caught:
+        load_tf_checkpoint(FIXTURES / ADAM["prefix"], run.var_map(), run.opt)
+    assert sorted(caught.value.problems) == sorted(f"{v}/Momentum" for v in run.tensors)
+    assert set(caught.value.problems.values()) == {"not in the checkpoint"}
+    _unchanged(run, before)
+
+
+def test_extra_slots_from_another_optimizer_are_refused() -> None:
+    """Momentum told the slots are named "Adam" would read Adam's m as its momentum: Adam_1 betrays it."""
+    from torchgrad_compat.checkpoint import CheckpointMismatchError
+
+    run = Run(ADAM, init=False)
+    run.inner = run.opt = tgo.MomentumOptimizer(list(run.tensors.values()), learning_rate=0.1, momentum=0.9)
+    with pytest.raises(CheckpointMismatchError) as caught:
+        load_tf_checkpoint(FIXTURES / ADAM["prefix"], run.var_map(), run.opt, optimizer_name="Adam")
+    assert sorted(caught.value.problems) == sorted(f"{v}/Adam_1" for v in run.tensors)
+    assert "MomentumOptimizer does not have" in str(caught.value)
+    assert not run.inner.state and not run.tensors["dense/bias"].any()
+
+
+def test_centered_rmsprop_checkpoint_into_plain_rmsprop_is_refused() -> None:
+    from torchgrad_compat.checkpoint import CheckpointMismatchError
+
+    case = next(c for c in NAME_BASED if c["id"] == "name-RMSProp-centered-float32")
+    run = Run(case, init=False)
+    run.inner = run.opt = tgo.RMSPropOptimizer(list(run.tensors.values()), learning_rate=0.1, momentum=0.9)
+    with pytest.raises(CheckpointMismatchError, match="RMSPropOptimizer does not have") as caught:
+        run.load()
+    assert sorted(caught.value.problems) == sorted(f"{v}/RMSProp_2" for v in run.tensors)
+
+
+def test_partial_load_of_another_optimizers_run() -> None:
+    """strict=False: the weights load, Momentum's slots (absent) are skipped and say why."""
+    run = Run(ADAM, init=False)
+    run.inner = run.opt = tgo.MomentumOptimizer(list(run.tensors.values()), learning_rate=0.1, momentum=0.9)
+    info = load_tf_checkpoint(FIXTURES / ADAM["prefix"], run.var_map(), run.opt, strict=False)
+    assert info.loaded == sorted([*run.tensors, "global_step"])
+    assert info.skipped == {f"{v}/Momentum": "not in the checkpoint" for v in run.tensors}
+    assert sorted(info.unused) == sorted(
+        [
+            *(f"{v}/Adam" for v in run.tensors),
+            *(f"{v}/Adam_1" for v in run.tensors),
+            "beta1_power",
+            "beta2_power",
+        ]
+    )
+    saved = _arrays(ADAM["id"])
+    np.testing.assert_array_equal(run.tensors["dense/bias"].detach().numpy(), saved["saved/dense/bias"])
+    assert not run.inner.state  # no slot loaded: the first step makes them, as in TF
+
+
+def _truncate_data(prefix: Path, keep: int) -> None:
+    data = Path(f"{prefix}.data-00000-of-00001")
+    data.write_bytes(data.read_bytes()[:keep])
+
+
+def test_truncated_data_shard_raises_listing_the_tensors_and_changes_nothing(tmp_path: Path) -> None:
+    prefix = _copy_case(ADAM, tmp_path)
+    from torchgrad_compat.checkpoint._bundle import BundleReader
+
+    entries = BundleReader(prefix).entries
+    cut = entries["dense/kernel/Adam"].offset + 1  # this tensor and every one after it are cut
+    past = sorted(n for n, e in entries.items() if e.offset + e.size > cut)
+    _truncate_data(prefix, cut)
+    run = _stepped_run()
+    before = _snapshot(run)
+    with pytest.raises(
+        CorruptCheckpointError, match="truncated; tensor 'dense/kernel/Adam' runs past"
+    ) as caught:
+        load_tf_checkpoint(prefix, run.var_map(), run.opt)
+    assert sorted(caught.value.problems) == past
+    _unchanged(run, before)
+
+
+def test_bad_crc_lists_the_tensor(tmp_path: Path) -> None:
+    prefix = _copy_case(ADAM, tmp_path)
+    from torchgrad_compat.checkpoint._bundle import BundleReader
+
+    entry = BundleReader(prefix).entries["dense/bias/Adam_1"]
+    data = Path(f"{prefix}.data-00000-of-00001")
+    raw = bytearray(data.read_bytes())
+    raw[entry.offset] ^= 0x40
+    data.write_bytes(bytes(raw))
+    run = _stepped_run()
+    before = _snapshot(run)
+    with pytest.raises(CorruptCheckpointError) as caught:
+        load_tf_checkpoint(prefix, run.var_map(), run.opt)
+    assert list(caught.value.problems) == ["dense/bias/Adam_1"]
+    assert "CRC32C mismatch in tensor 'dense/bias/Adam_1'" in str(caught.value)
+    _unchanged(run, before)
+    # strict=False loads the rest; the corrupt slot keeps its value and the reason is given.
+    slot_before = run.inner.get_slot(run.tensors["dense/bias"], "v").clone()
+    info = load_tf_checkpoint(prefix, run.var_map(), run.opt, strict=False)
+    assert (
+        list(info.skipped) == ["dense/bias/Adam_1"] and "CRC32C mismatch" in info.skipped["dense/bias/Adam_1"]
+    )
+    assert torch.equal(run.inner.get_slot(run.tensors["dense/bias"], "v"), slot_before)
+    np.testing.assert_array_equal(
+        run.inner.get_slot(run.tensors["dense/bias"], "m").numpy(),
+        _arrays(ADAM["id"])["saved/dense/bias/Adam"],
+    )
+
+
+def _with_entries(prefix: Path, out: Path, extra: dict[str, int]) -> Path:
+    """A copy of the checkpoint at ``prefix`` whose index also lists scalar entries of raw TF dtype enums.
+
+    Stands in for what TF writes for a resource or variant tensor (an iterator's state,
+    say): an index entry whose dtype has no torch counterpart.
+    """
+    from torchgrad_compat.checkpoint import _bundle as b
+
+    reader = b.BundleReader(prefix)
+    table = b._read_table(Path(f"{prefix}.index").read_bytes(), "test")
+    for name, enum in extra.items():
+        table.append((name.encode(), b._varint_field(1, enum) + b._length_delimited(2, b"")))
+    table.sort(key=lambda kv: kv[0])
+    out.mkdir(parents=True)
+    Path(f"{out}/model.ckpt.index").write_bytes(b._build_table(table))
+    shutil.copy(reader.data_file(0), f"{out}/model.ckpt.data-00000-of-00001")
+    return out / "model.ckpt"
+
+
+def test_resource_and_variant_entries_are_listed_and_refused(tmp_path: Path) -> None:
+    from torchgrad_compat.checkpoint import CheckpointMismatchError
+
+    prefix = _with_entries(
+        FIXTURES / ADAM["prefix"], tmp_path / "ckpt", {"iterator": 21, "handle": 20, "future": 99}
+    )
+    listed = {name: dtype for name, _, dtype in list_tf_checkpoint(prefix)}
+    assert (listed["iterator"], listed["handle"], listed["future"]) == (
+        "variant",
+        "resource",
+        "dtype_enum_99",
+    )
+    run = Run(ADAM, init=False)
+    var_map = {**run.var_map(), "iterator": torch.zeros(()), "future": torch.zeros(())}
+    with pytest.raises(CheckpointMismatchError) as caught:
+        load_tf_checkpoint(prefix, var_map, run.opt)
+    assert caught.value.problems == {
+        "future": "checkpoint dtype dtype_enum_99 has no torch dtype",
+        "iterator": "checkpoint dtype variant has no torch dtype",
+    }
+    assert not run.inner.state
+    info = load_tf_checkpoint(prefix, var_map, run.opt, strict=False)
+    assert sorted(info.skipped) == ["future", "iterator"] and "handle" in info.unused
+    _assert_loaded_is_tensorflows(run)
+
+
+def _assert_loaded_is_tensorflows(run: Run) -> None:
+    saved = _arrays(run.case["id"])
+    for var, t in run.tensors.items():
+        got = t.detach().T if var == KERNEL else t.detach()
+        np.testing.assert_array_equal(got.numpy(), saved[f"saved/{var}"], err_msg=var)
+
+
+def test_strict_must_be_a_bool() -> None:
+    with pytest.raises(TypeError, match="strict must be a bool, got str: 'no'"):
+        load_tf_checkpoint(FIXTURES / ADAM["prefix"], {}, strict="no")
+
+
+def test_load_holds_one_tensor_beside_the_targets(tmp_path: Path) -> None:
+    """Validation streams the bytes; the copy reads one tensor at a time: Python's heap peaks at
+    about one tensor's bytes, not at the checkpoint's (tracemalloc sees ``bytes`` read from files)."""
+    import tracemalloc
+
+    tensors = [torch.nn.Parameter(torch.randn(50_000)) for _ in range(12)]  # 200 kB each
+    opt = tgo.AdamOptimizer(tensors)
+    for t in tensors:
+        t.grad = torch.ones_like(t)
+    opt.step()
+    var_map = {f"layer{i}/kernel": t for i, t in enumerate(tensors)}
+    save_tf_checkpoint(tmp_path / "model.ckpt", var_map, opt)
+    targets = [torch.nn.Parameter(torch.zeros(50_000)) for _ in range(12)]
+    target_opt = tgo.AdamOptimizer(targets)
+    target_map = dict(zip(var_map, targets))
+    total = 3 * 12 * 50_000 * 4  # 7.2 MB: the variables and both slots
+    tracemalloc.start()
+    try:
+        load_tf_checkpoint(tmp_path, target_map, target_opt)
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert peak < 2 * 50_000 * 4 + 100_000 < total / 10, f"peak {peak} bytes of a {total}-byte checkpoint"
+    assert all(torch.equal(a, b) for a, b in zip(targets, tensors))
+
+
+# ---------------------------------------------------------------------- train.py's model, trained in TF
+# tests/fixtures/tf_train: scripts/make_tf_train_checkpoint.py trained train.py's model in a TF1
+# graph (Keras's default names, a sparsely trained embedding) for K steps on train.py's batches,
+# saved, and trained M more. scripts/convert_tf_checkpoint.py + train.py --resume must continue it.
+TF_TRAIN = ROOT / "tests" / "fixtures" / "tf_train"
+TF_TRAIN_CASES = {
+    case["optimizer"]: case for case in json.loads((TF_TRAIN / "manifest.json").read_text())["cases"]
+}
+# train.py's state_dict names -> TF's names, and whether TF's is the transpose.
+TRAIN_MODEL_NAMES = {
+    "embedding.weight": ("embedding/embeddings", False),
+    "hidden.weight": ("dense/kernel", True),
+    "hidden.bias": ("dense/bias", False),
+    "output.weight": ("dense_1/kernel", True),
+    "output.bias": ("dense_1/bias", False),
+}
+
+
+def _script(name: str, *args: Any, cwd: Path) -> str:
+    result = subprocess.run(
+        [sys.executable, str(ROOT / "scripts" / name), *map(str, args)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=cwd,
+        env={**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])},
+    )
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    return result.stdout
+
+
+def _convert_and_continue(folder: Path, optimizer: str, tmp_path: Path) -> dict[str, np.ndarray]:
+    """Convert TF's checkpoint, continue it with train.py for M steps; the weights, in TF's layout."""
+    case = TF_TRAIN_CASES[optimizer]
+    converted, continued = tmp_path / "converted.pt", tmp_path / "continued.pt"
+    out = _script(
+        "convert_tf_checkpoint.py", folder / optimizer, converted, "--optimizer", optimizer, cwd=tmp_path
+    )
+    assert "dense/kernel [24, 32] -> hidden.weight [32, 24] (by shape, layout 'transpose')" in out
+    assert "embedding/embeddings [100, 8] -> embedding.weight [100, 8] (by name)" in out
+    assert f"at global step {case['steps_before']}; unused: none" in out
+    args = (
+        "--resume",
+        converted,
+        "--optimizer",
+        optimizer,
+        "--steps",
+        case["steps_after"],
+        "--save",
+        continued,
+    )
+    out = _script("train.py", *args, cwd=tmp_path)
+    assert f"resumed {converted} at step {case['steps_before']}" in out
+    state = torch.load(continued, weights_only=True)
+    assert state["step"] == case["steps_before"] + case["steps_after"]
+    return {
+        tf_name: (state["model"][name].T if transposed else state["model"][name]).numpy()
+        for name, (tf_name, transposed) in TRAIN_MODEL_NAMES.items()
+    }
+
+
+# Three of the ten (a subprocess pair each costs seconds): Adam's non-lazy sparse rule and beta
+# powers, AdagradDA's step from the global step, Ftrl's l1. All ten agree to 2.4e-7 (README).
+@pytest.mark.parametrize("optimizer", ["adam", "adagrad_da", "ftrl"])
+def test_train_script_continues_a_tensorflow_run(optimizer: str, tmp_path: Path) -> None:
+    ours = _convert_and_continue(TF_TRAIN, optimizer, tmp_path)
+    with np.load(TF_TRAIN / optimizer / "reference.npz") as npz:
+        for name, value in ours.items():
+            np.testing.assert_allclose(value, npz[f"final/{name}"], rtol=1e-5, atol=1e-6, err_msg=name)
+
+
+def test_converter_refuses_another_models_checkpoint(tmp_path: Path) -> None:
+    result = subprocess.run(
+        [
+            sys.executable,
+            str(ROOT / "scripts" / "convert_tf_checkpoint.py"),
+            FIXTURES / ADAM["prefix"],
+            "x.pt",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=tmp_path,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+    )
+    assert result.returncode != 0
+    assert "not every variable was matched" in result.stderr and "dense/kernel [3, 4]" in result.stdout
+    assert not (tmp_path / "x.pt").exists()
+
+
+@pytest.mark.tf_live
+def test_tf_train_generator_reproduces_the_fixture(tmp_path: Path) -> None:
+    """TF's run of train.py's model on train.py's batches, regenerated: the fixture; train.py continues it."""
+    python = _tf_python()
+    steps = TF_TRAIN_CASES["adam"]["steps_before"] + TF_TRAIN_CASES["adam"]["steps_after"]
+    _script("train.py", "--export-batches", tmp_path / "batches.npz", "--steps", steps, cwd=tmp_path)
+    fresh = tmp_path / "fresh"
+    result = subprocess.run(
+        [
+            python,
+            str(ROOT / "scripts" / "make_tf_train_checkpoint.py"),
+            "--batches",
+            tmp_path / "batches.npz",
+            "--out",
+            fresh,
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env={**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2"},
+    )
+    assert result.returncode == 0, result.stderr[-4000:]
+    assert json.loads((fresh / "manifest.json").read_text())["cases"] == list(TF_TRAIN_CASES.values())
+    for optimizer, case in TF_TRAIN_CASES.items():
+        assert list_tf_checkpoint(fresh / case["prefix"]) == list_tf_checkpoint(TF_TRAIN / case["prefix"])
+        with (
+            np.load(fresh / optimizer / "reference.npz") as new,
+            np.load(TF_TRAIN / optimizer / "reference.npz") as old,
+        ):
+            assert sorted(new.files) == sorted(old.files)
+            for key in old.files:
+                np.testing.assert_allclose(
+                    new[key], old[key], rtol=1e-5, atol=1e-6, err_msg=f"{optimizer} {key}"
+                )
+    ours = _convert_and_continue(fresh, "adam", tmp_path)
+    with np.load(fresh / "adam" / "reference.npz") as npz:
+        for name, value in ours.items():
+            np.testing.assert_allclose(value, npz[f"final/{name}"], rtol=1e-5, atol=1e-6, err_msg=name)
+
+
+def test_missing_data_shard_lists_every_tensor(tmp_path: Path) -> None:
+    prefix = _copy_case(ADAM, tmp_path)
+    Path(f"{prefix}.data-00000-of-00001").unlink()
+    run = _stepped_run()
+    before = _snapshot(run)
+    with pytest.raises(CorruptCheckpointError, match="data-00000-of-00001: missing; tensor") as caught:
+        load_tf_checkpoint(prefix, run.var_map(), run.opt)
+    assert sorted(caught.value.problems) == sorted(n for n, _, _ in list_tf_checkpoint(prefix))
+    _unchanged(run, before)
+    info = load_tf_checkpoint(prefix, run.var_map(), run.opt, strict=False)
+    assert info.loaded == [] and info.global_step is None and len(info.skipped) == 12
+    _unchanged(run, before)
+
+
+def test_converter_weights_only_starts_another_optimizer_fresh(tmp_path: Path) -> None:
+    """--weights-only: TF's Adam run's weights, a fresh Momentum optimizer, step 0."""
+    out = _script(
+        "convert_tf_checkpoint.py",
+        TF_TRAIN / "adam",
+        tmp_path / "w.pt",
+        "--optimizer",
+        "momentum",
+        "--weights-only",
+        cwd=tmp_path,
+    )
+    assert "at global step 5; unused: beta1_power, beta2_power, dense/bias/Adam" in out
+    state = torch.load(tmp_path / "w.pt", weights_only=True)
+    assert state["step"] == 0 and state["optimizer"]["state"] == {} and state["optimizer_name"] == "momentum"
+    from torchgrad_compat.checkpoint._bundle import BundleReader
+
+    reader = BundleReader(TF_TRAIN / TF_TRAIN_CASES["adam"]["prefix"])
+    assert torch.equal(state["model"]["hidden.weight"], reader.read("dense/kernel").T)
+    assert torch.equal(state["model"]["embedding.weight"], reader.read("embedding/embeddings"))
+
+
+def test_a_checkpoint_renamed_over_mid_load_is_not_mixed_in(tmp_path: Path, monkeypatch: Any) -> None:
+    """The checks and the copies read the same open files: a new checkpoint saved under the same
+    prefix between the two (TF renames its files into place) does not leak into the load."""
+    from torchgrad_compat.checkpoint import _tf_checkpoint
+
+    old = {"w": torch.full((1000,), 1.0), "b": torch.full((10,), 1.0)}
+    save_tf_checkpoint(tmp_path / "model.ckpt", old)
+    validate = _tf_checkpoint._validate
+
+    def validate_then_overwrite(*args: Any) -> Any:
+        result = validate(*args)
+        save_tf_checkpoint(
+            tmp_path / "model.ckpt", {"w": torch.full((1000,), 2.0), "b": torch.full((10,), 2.0)}
+        )
+        return result
+
+    monkeypatch.setattr(_tf_checkpoint, "_validate", validate_then_overwrite)
+    loaded = {"w": torch.zeros(1000), "b": torch.zeros(10)}
+    load_tf_checkpoint(tmp_path / "model.ckpt", loaded)
+    assert torch.equal(loaded["w"], old["w"]) and torch.equal(loaded["b"], old["b"])
+
+
+def test_suggest_var_map_a_match_by_shape_narrows_the_others(tmp_path: Path) -> None:
+    """A bias-only TF layer fits both Linear layers, until the other TF layer, which fits one of
+    them alone, has taken it; a tensor is never given twice."""
+    from torchgrad_compat.checkpoint import AmbiguousVarMapError, suggest_var_map
+
+    folder = _keras_named_checkpoint(tmp_path / "a", {"a/bias": (8,), "b/kernel": (5, 8), "b/bias": (8,)})
+    model = torch.nn.Module()
+    model.first = torch.nn.Linear(3, 8)
+    model.second = torch.nn.Linear(5, 8)
+    suggested = suggest_var_map(folder, model)
+    assert suggested == {
+        "a/bias": model.first.bias,
+        "b/bias": model.second.bias,
+        "b/kernel": (model.second.weight, "transpose"),
+    }
+    # Two 8x8 layers and a third that fits only one of their two modules: it takes that one,
+    # and the two left for the one module left are refused, not both given it.
+    folder = _keras_named_checkpoint(
+        tmp_path / "b", {"x/kernel": (8, 8), "y/kernel": (8, 8), "z/kernel": (8, 8), "z/bias": (8,)}
+    )
+    model = torch.nn.Module()
+    model.first = torch.nn.Linear(8, 8, bias=False)
+    model.second = torch.nn.Linear(8, 8)
+    with pytest.raises(AmbiguousVarMapError) as caught:
+        suggest_var_map(folder, model)
+    assert caught.value.candidates == {"x/kernel": ["first.weight"], "y/kernel": ["first.weight"]}

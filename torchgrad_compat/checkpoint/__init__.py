@@ -29,12 +29,21 @@ Example: a TF Dense layer and its Adam state, out and back in.
 """
 
 from ._bundle import CorruptCheckpointError
-from ._suggest import suggest_var_map
-from ._tf_checkpoint import LoadInfo, list_tf_checkpoint, load_tf_checkpoint, save_tf_checkpoint
+from ._suggest import AmbiguousVarMapError, SuggestedVarMap, suggest_var_map
+from ._tf_checkpoint import (
+    CheckpointMismatchError,
+    LoadInfo,
+    list_tf_checkpoint,
+    load_tf_checkpoint,
+    save_tf_checkpoint,
+)
 
 __all__ = [
+    "AmbiguousVarMapError",
+    "CheckpointMismatchError",
     "CorruptCheckpointError",
     "LoadInfo",
+    "SuggestedVarMap",
     "list_tf_checkpoint",
     "load_tf_checkpoint",
     "save_tf_checkpoint",

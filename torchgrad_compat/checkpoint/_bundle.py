@@ -18,6 +18,7 @@ import math
 import os
 import struct
 import warnings
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -30,7 +31,10 @@ _TABLE_MAGIC = 0xDB4775248B80FB57
 _FOOTER_SIZE = 48  # two block handles padded to 40 bytes, then the 8-byte magic
 _BLOCK_TRAILER_SIZE = 5  # compression type byte + masked CRC32C
 _MASK_DELTA = 0xA282EAD8
-# TF's DataType enum -> (its name, torch dtype). Strings have no torch dtype.
+_CHUNK = 4 << 20  # bytes read at a time when a tensor's CRC32C is checked without keeping it
+_MAX_PREAD = 1 << 30  # larger tensors are read in _CHUNK pieces (Linux returns at most ~2 GiB a call)
+# TF's DataType enum -> (its name, torch dtype). Strings, resources, variants and quantized
+# types have no torch dtype; an enum not listed here reads as "dtype_enum_<N>", also without one.
 _DTYPES: dict[int, tuple[str, torch.dtype | None]] = {
     1: ("float32", torch.float32),
     2: ("float64", torch.float64),
@@ -48,15 +52,32 @@ _DTYPES: dict[int, tuple[str, torch.dtype | None]] = {
     19: ("float16", torch.float16),
     22: ("uint32", torch.uint32),
     23: ("uint64", torch.uint64),
+    # Listed by name, never loaded: no torch dtype holds them.
+    11: ("qint8", None),
+    12: ("quint8", None),
+    13: ("qint32", None),
+    15: ("qint16", None),
+    16: ("quint16", None),
+    20: ("resource", None),
+    21: ("variant", None),
 }
 _DTYPE_ENUM = {torch_dtype: enum for enum, (_, torch_dtype) in _DTYPES.items() if torch_dtype is not None}
 
 
 class CorruptCheckpointError(ValueError):
-    """A checkpoint file is truncated, malformed or fails its CRC32C check."""
+    """A checkpoint file is truncated, malformed or fails its CRC32C check.
+
+    Attributes:
+        problems: from ``load_tf_checkpoint``, every tensor that cannot be read,
+            name -> why; empty when the index itself is unreadable.
+    """
+
+    def __init__(self, message: str, problems: dict[str, str] | None = None):
+        super().__init__(message)
+        self.problems = dict(problems or {})
 
 
-def _masked_crc(data: bytes) -> int:
+def _crc32c_module():
     # Imported here, not with the package: only reading or writing a checkpoint needs it
     # (an environment installed with --no-deps still imports torchgrad_compat).
     try:
@@ -66,8 +87,15 @@ def _masked_crc(data: bytes) -> int:
             "reading or writing TF checkpoints needs google-crc32c (a dependency of torchgrad_compat): "
             "pip install google-crc32c"
         ) from error
-    crc = google_crc32c.value(data)
+    return google_crc32c
+
+
+def _mask(crc: int) -> int:
     return (((crc >> 15) | (crc << 17)) + _MASK_DELTA) & 0xFFFFFFFF
+
+
+def _masked_crc(data: bytes | memoryview) -> int:
+    return _mask(_crc32c_module().value(data))
 
 
 # ---------------------------------------------------------------------- varints and protobuf
@@ -246,14 +274,12 @@ class BundleEntry:
 def _parse_entry(name: str, value: bytes, where: str) -> BundleEntry:
     fields = _proto_fields(value, f"{where}, entry {name!r}")
     enum = int(_field(fields, 1))
-    if enum not in _DTYPES:
-        raise CorruptCheckpointError(f"{where}: entry {name!r} has unknown TensorFlow dtype enum {enum}")
     shape_fields = _proto_fields(bytes(_field(fields, 2, b"")), f"{where}, shape of {name!r}")
     dims = tuple(
         int(_field(_proto_fields(bytes(d), f"{where}, shape of {name!r}"), 1))
         for d in shape_fields.get(2, [])
     )
-    dtype, torch_dtype = _DTYPES[enum]
+    dtype, torch_dtype = _DTYPES.get(enum, (f"dtype_enum_{enum}", None))
     slices = tuple(
         _parse_slice(bytes(proto), dims, f"{where}, slice of {name!r}") for proto in fields.get(7, [])
     )
@@ -351,6 +377,7 @@ class BundleReader:
     """The entries of a checkpoint's index, and its tensors read on demand (CRC-checked)."""
 
     def __init__(self, prefix: str | os.PathLike[str]):
+        self._fds: dict[int, int] = {}
         self.prefix = str(prefix)
         index = Path(f"{self.prefix}.index")
         where = str(index)
@@ -385,15 +412,35 @@ class BundleReader:
         read-only: copy it into a tensor of your own, do not modify it. A
         partitioned variable is assembled from its pieces.
         """
-        entry = self.entries[name]
-        if entry.torch_dtype is None:
-            raise TypeError(f"checkpoint tensor {name!r} has dtype {entry.dtype}, which has no torch dtype")
+        entry = self._loadable(name)
         if entry.slices:
             return self._assemble(entry)
         return self._read_entry(entry)
 
-    def _assemble(self, entry: BundleEntry) -> Tensor:
-        out = torch.empty(entry.shape, dtype=entry.torch_dtype)
+    def verify(self, name: str) -> None:
+        """Check that tensor ``name`` can be read: its size, its pieces, its bytes' CRC32C.
+
+        Streams the bytes through the checksum a few MB at a time and keeps
+        none of them, so checking a checkpoint costs no memory for its data.
+
+        Raises:
+            TypeError: the tensor's dtype has no torch dtype.
+            CorruptCheckpointError: what ``read`` would raise.
+        """
+        entry = self._loadable(name)
+        for piece in [p for _, p in self._pieces_of(entry)] if entry.slices else [entry]:
+            self._check_size(piece)
+            self._stream_crc(piece)
+
+    def _loadable(self, name: str) -> BundleEntry:
+        entry = self.entries[name]
+        if entry.torch_dtype is None:
+            raise TypeError(f"checkpoint tensor {name!r} has dtype {entry.dtype}, which has no torch dtype")
+        return entry
+
+    def _pieces_of(self, entry: BundleEntry) -> list[tuple[tuple[tuple[int, int], ...], BundleEntry]]:
+        """A partitioned variable's pieces as (extents, entry), checked to exist and cover it."""
+        pieces = []
         covered = 0
         for extents in entry.slices:
             # A piece's key writes a whole dim as (0, -1) where its slice leaves the length out.
@@ -410,29 +457,104 @@ class BundleReader:
                 raise CorruptCheckpointError(
                     f"{self.prefix}: piece {list(extents)} of {entry.name!r} has shape {list(piece.shape)}"
                 )
-            out[tuple(slice(s, s + n) for s, n in extents)] = self._read_entry(piece)
+            pieces.append((extents, piece))
             covered += math.prod(piece.shape)
-        if covered != out.numel():
+        if covered != math.prod(entry.shape):
             raise CorruptCheckpointError(f"{self.prefix}: the pieces of {entry.name!r} do not cover it")
+        return pieces
+
+    def _assemble(self, entry: BundleEntry) -> Tensor:
+        out = torch.empty(entry.shape, dtype=entry.torch_dtype)
+        for extents, piece in self._pieces_of(entry):
+            out[tuple(slice(s, s + n) for s, n in extents)] = self._read_entry(piece)
         return out
 
-    def _read_entry(self, entry: BundleEntry) -> Tensor:
+    def _check_size(self, entry: BundleEntry) -> None:
         assert entry.torch_dtype is not None
-        expected = entry.torch_dtype.itemsize
-        for dim in entry.shape:
-            expected *= dim
-        path = self.data_file(entry.shard)
+        expected = entry.torch_dtype.itemsize * math.prod(entry.shape)
         if entry.size != expected:
             raise CorruptCheckpointError(
                 f"{self.prefix}: entry {entry.name!r} holds {entry.size} bytes; shape {list(entry.shape)} of "
                 f"{entry.dtype} needs {expected}"
             )
-        with open(path, "rb") as f:
-            f.seek(entry.offset)
-            buffer = f.read(entry.size)
+
+    def _data_fd(self, entry: BundleEntry) -> int:
+        """The open data file that holds ``entry``, checked to be long enough.
+
+        Each shard is opened once and kept open until :meth:`close`: the
+        checks of a load and its copies then read the same file, even if a new
+        checkpoint is renamed over the path in between.
+        """
+        path = self.data_file(entry.shard)
+        fd = self._fds.get(entry.shard)
+        if fd is None:
+            try:
+                fd = self._fds[entry.shard] = os.open(path, os.O_RDONLY | getattr(os, "O_BINARY", 0))
+            except FileNotFoundError:
+                raise CorruptCheckpointError(
+                    f"{path}: missing; tensor {entry.name!r} is stored in it"
+                ) from None
+        if os.fstat(fd).st_size < entry.offset + entry.size:
+            raise CorruptCheckpointError(f"{path}: truncated; tensor {entry.name!r} runs past its end")
+        return fd
+
+    def close(self) -> None:
+        """Close the data files (reading again reopens them)."""
+        fds, self._fds = self._fds, {}
+        for fd in fds.values():
+            os.close(fd)
+
+    def __enter__(self) -> BundleReader:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __del__(self) -> None:
+        if getattr(self, "_fds", None):
+            self.close()
+
+    def _chunks(self, entry: BundleEntry) -> Iterator[bytes]:
+        """The entry's bytes, a few MB at a time."""
+        fd = self._data_fd(entry)
+        pos = 0
+        while pos < entry.size:
+            chunk = os.pread(fd, min(entry.size - pos, _CHUNK), entry.offset + pos)
+            if not chunk:
+                path = self.data_file(entry.shard)
+                raise CorruptCheckpointError(f"{path}: truncated; tensor {entry.name!r} runs past its end")
+            pos += len(chunk)
+            yield chunk
+
+    def _stream_crc(self, entry: BundleEntry) -> None:
+        crc32c = _crc32c_module()
+        crc = 0
+        for chunk in self._chunks(entry):
+            crc = crc32c.extend(crc, chunk)
+        if _mask(crc) != entry.crc32c:
+            path = self.data_file(entry.shard)
+            raise CorruptCheckpointError(
+                f"{path}: CRC32C mismatch in tensor {entry.name!r}; the file is corrupt"
+            )
+
+    def _read_entry(self, entry: BundleEntry) -> Tensor:
+        assert entry.torch_dtype is not None
+        self._check_size(entry)
+        path = self.data_file(entry.shard)
+        fd = self._data_fd(entry)
+        if entry.size <= _MAX_PREAD:
+            buffer = os.pread(fd, entry.size, entry.offset)
+            crc = _masked_crc(buffer) if len(buffer) == entry.size else None
+        else:  # one pread returns at most ~2 GiB: gather the pieces, checksum them as they come
+            pieces = bytearray()
+            crc32c, value = _crc32c_module(), 0
+            for chunk in self._chunks(entry):
+                pieces += chunk
+                value = crc32c.extend(value, chunk)
+            buffer, crc = pieces, _mask(value)
         if len(buffer) != entry.size:
             raise CorruptCheckpointError(f"{path}: truncated; tensor {entry.name!r} runs past its end")
-        if _masked_crc(buffer) != entry.crc32c:
+        if crc != entry.crc32c:
             raise CorruptCheckpointError(
                 f"{path}: CRC32C mismatch in tensor {entry.name!r}; the file is corrupt"
             )

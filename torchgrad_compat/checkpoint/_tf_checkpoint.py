@@ -17,9 +17,15 @@ from torch import Tensor
 from .. import optim as tgo
 from ..amp import DynamicLossScale, LossScaleOptimizer
 from ..optim._wrapper import OptimizerWrapper
-from ._bundle import BundleEntry, BundleReader, write_bundle
+from ._bundle import BundleEntry, BundleReader, CorruptCheckpointError, write_bundle
 
-__all__ = ["LoadInfo", "list_tf_checkpoint", "load_tf_checkpoint", "save_tf_checkpoint"]
+__all__ = [
+    "CheckpointMismatchError",
+    "LoadInfo",
+    "list_tf_checkpoint",
+    "load_tf_checkpoint",
+    "save_tf_checkpoint",
+]
 
 # Every optimizer's slots in TF's creation order: the i-th slot of variable ``v``
 # is ``v/<name>`` (i = 0) or ``v/<name>_<i>`` in a name-based checkpoint, where
@@ -67,11 +73,32 @@ class LoadInfo:
             or None when it has none.
         loaded: the checkpoint names copied into the model or the optimizer, sorted.
         unused: the checkpoint names left unread, sorted.
+        skipped: with ``strict=False``, every name the load wanted but left
+            alone, -> why (not in the checkpoint, a shape or dtype that does not
+            fit, a corrupt or truncated tensor, a dtype torch has no match for);
+            its tensor keeps its value. Always empty with ``strict=True``.
     """
 
     global_step: int | None
     loaded: list[str] = field(default_factory=list)
     unused: list[str] = field(default_factory=list)
+    skipped: dict[str, str] = field(default_factory=dict)
+
+
+class CheckpointMismatchError(ValueError):
+    """The checkpoint does not hold what ``var_map`` and the optimizer ask for.
+
+    Raised by ``load_tf_checkpoint`` before anything is written: a name is
+    missing, a shape (after the layout) or dtype differs, or a tensor's dtype
+    has no torch counterpart (TF's ``resource``, ``variant``, ``string``...).
+
+    Attributes:
+        problems: every offending checkpoint name -> why, sorted by name.
+    """
+
+    def __init__(self, message: str, problems: dict[str, str]):
+        super().__init__(message)
+        self.problems = dict(sorted(problems.items()))
 
 
 # ---------------------------------------------------------------------- the optimizer's state
@@ -304,6 +331,7 @@ def load_tf_checkpoint(
     optimizer: torch.optim.Optimizer | None = None,
     *,
     optimizer_name: str | None = None,
+    strict: bool = True,
 ) -> LoadInfo:
     """Copy a TF checkpoint's variables, and the optimizer's slots and state, into torch tensors.
 
@@ -325,20 +353,47 @@ def load_tf_checkpoint(
             ``beta2_power``; AdagradDA's step from the global step; a dynamic
             loss scale's ``current_loss_scale`` and ``good_steps``).
         optimizer_name: TF's ``name=`` of the optimizer when it was not the default.
+        strict: True (the default): everything asked for must be in the
+            checkpoint and valid, or nothing is loaded. False: load what is
+            valid, leave the rest as it is and say why in ``LoadInfo.skipped``
+            (e.g. the weights of a run trained with another optimizer, whose
+            slots the checkpoint lacks: the slots keep their initial values).
 
     Returns:
         A :class:`LoadInfo`.
 
     Raises:
         FileNotFoundError: no checkpoint at ``path``.
-        CorruptCheckpointError: a file is malformed or fails its CRC32C check.
-        ValueError: a name is missing from the checkpoint, or a shape or dtype
-            differs; every problem is listed, and nothing has been changed.
+        CorruptCheckpointError: the index is malformed, or (``strict=True``) a
+            tensor asked for is truncated or fails its CRC32C check; its
+            ``problems`` lists every such tensor. Nothing has been changed.
+        CheckpointMismatchError: (``strict=True``) a name is missing from the
+            checkpoint, a shape or dtype differs, or a dtype has no torch
+            counterpart; its ``problems`` lists every one. Nothing has been changed.
         TypeError: a bad argument type.
 
-    Loading is all or nothing: every tensor is read and checked before any is written.
+    Loading is all or nothing and holds one copy of the data: first every
+    name, shape and dtype is checked and every tensor's CRC32C computed as its
+    bytes stream past (none kept); only then is each tensor read and copied
+    into its target, one at a time, so at most one tensor's bytes are held
+    beside the targets. The files stay open from the checks to the copies, so a
+    checkpoint saved over the same prefix meanwhile is not read; only a file
+    overwritten in place mid-load (TF never does) could fail a copy's CRC32C
+    after earlier copies were made.
     """
-    reader = BundleReader(_resolve_prefix(path))
+    if not isinstance(strict, bool):
+        raise TypeError(f"strict must be a bool, got {type(strict).__name__}: {strict!r}")
+    with BundleReader(_resolve_prefix(path)) as reader:
+        return _load(reader, var_map, optimizer, optimizer_name, strict)
+
+
+def _load(
+    reader: BundleReader,
+    var_map: Mapping[str, Tensor | tuple[Tensor, Any]],
+    optimizer: torch.optim.Optimizer | None,
+    optimizer_name: str | None,
+    strict: bool,
+) -> LoadInfo:
     parsed = _parse_var_map(var_map)
     opt, loss_scale, in_lso = _unwrap(optimizer)
     object_based = _OBJECT_GRAPH in reader.entries
@@ -352,42 +407,127 @@ def load_tf_checkpoint(
     )
     step_name = global_step_name or _GLOBAL_STEP_NAMES["object" if object_based else "name"][0]
     targets, fresh_slots = _targets(parsed, opt, loss_scale, names, step_name)
-    values = _read_checked(reader, targets)
+
+    # 1. Validate everything, reading no data into memory.
+    mismatched, corrupt = _validate(reader, targets, global_step_name)
+    if opt is not None:
+        mismatched.update(_extra_slots(reader, parsed, opt, names, {t.name for t in targets}))
+    if strict and (mismatched or corrupt):
+        raise _load_error(reader, mismatched, corrupt)
+    skipped = {**mismatched, **corrupt}
+    # 2. Copy, one tensor at a time.
+    to_load = [t for t in targets if t.name not in skipped]
     with torch.no_grad():
-        for target, value in zip(targets, values, strict=True):
-            _copy_into(target.tensor, value)
+        for target in to_load:
+            _copy_into(target.tensor, _to_torch_layout(reader.read(target.name), target.perm))
+        loaded_ids = {id(t.tensor) for t in to_load}
         for tensor, state in fresh_slots.items():
-            opt.state[tensor] = state  # type: ignore[union-attr]
+            # Slots made for this load: installed when any of them was loaded (the others keep
+            # their initial values, as TF's initializers would give them).
+            if any(id(slot) in loaded_ids for slot in state.values()):
+                opt.state[tensor] = state  # type: ignore[union-attr]
 
-    loaded = sorted({t.name for t in targets})
+    loaded = {t.name for t in to_load}
     global_step = None
-    if global_step_name is not None:
+    if global_step_name is not None and global_step_name not in skipped:
         global_step = int(reader.read(global_step_name).item())
-        loaded = sorted({*loaded, global_step_name})
-    unused = sorted(set(reader.entries) - set(loaded) - {_OBJECT_GRAPH})
-    return LoadInfo(global_step=global_step, loaded=loaded, unused=unused)
+        loaded.add(global_step_name)
+    unused = sorted(set(reader.entries) - loaded - set(skipped) - {_OBJECT_GRAPH})
+    return LoadInfo(
+        global_step=global_step, loaded=sorted(loaded), unused=unused, skipped=dict(sorted(skipped.items()))
+    )
 
 
-def _read_checked(reader: BundleReader, targets: list[_Target]) -> list[Tensor]:
-    """Read every target's value in the tensor's layout; raise listing all problems before any write."""
-    problems = []
-    missing = sorted({t.name for t in targets if t.name not in reader.entries})
-    if missing:
-        available = sorted(n for n in reader.entries if n != _OBJECT_GRAPH)
-        shown = ", ".join(available[:20]) + (", ..." if len(available) > 20 else "")
-        problems.append(
-            f"not in the checkpoint: {', '.join(missing)} (it holds {len(available)} tensors: {shown})"
-        )
+def _validate(
+    reader: BundleReader, targets: list[_Target], global_step_name: str | None
+) -> tuple[dict[str, str], dict[str, str]]:
+    """({name: why it does not fit its target}, {name: why its bytes cannot be read}).
+
+    Names, shapes and dtypes come from the index; the data files are read only
+    to stream every remaining tensor's bytes through its CRC32C.
+    """
+    mismatched: dict[str, str] = {}
     for target in targets:
         entry = reader.entries.get(target.name)
         if entry is None:
+            mismatched[target.name] = "not in the checkpoint"
+        elif entry.torch_dtype is None:
+            mismatched[target.name] = f"checkpoint dtype {entry.dtype} has no torch dtype"
+        else:
+            problem = _mismatch(entry, target)
+            if problem:
+                mismatched.setdefault(target.name, problem)
+    to_check = {t.name for t in targets} - set(mismatched)
+    if global_step_name is not None:
+        if reader.entries[global_step_name].torch_dtype in _INTEGER_DTYPES:
+            to_check.add(global_step_name)
+        else:
+            mismatched[global_step_name] = (
+                f"checkpoint dtype {reader.entries[global_step_name].dtype}, a global step is an integer"
+            )
+    corrupt: dict[str, str] = {}
+    for name in sorted(to_check):
+        try:
+            reader.verify(name)
+        except CorruptCheckpointError as error:
+            corrupt[name] = str(error)
+    return mismatched, corrupt
+
+
+def _extra_slots(
+    reader: BundleReader,
+    parsed: dict[str, tuple[Tensor, tuple[int, ...] | None]],
+    opt: tgo.Optimizer,
+    names: _Names,
+    wanted: set[str],
+) -> dict[str, str]:
+    """Slot variables the checkpoint holds for the loaded variables that this optimizer has no slot for.
+
+    An Adam checkpoint read by a Momentum optimizer named "Adam", or a
+    centered RMSProp's by a plain one, would otherwise fill the wrong slots
+    silently: TF numbers a variable's slots ``v/N``, ``v/N_1``, ... by creation order.
+    """
+    managed = {id(p) for group in opt.param_groups for p in group["params"]}
+    keys = {
+        names.variable(key).removesuffix(_ATTRIBUTE) for key, (t, _) in parsed.items() if id(t) in managed
+    }
+    extra = {}
+    suffix = re.compile(rf"{re.escape(names.optimizer_name)}(_\d+)?")
+    marker = f"/.OPTIMIZER_SLOT/{names.optimizer_name}/"
+    for name in reader.entries:
+        if name in wanted:
             continue
-        problem = _mismatch(entry, target)
-        if problem:
-            problems.append(f"{target.name}: {problem}")
-    if problems:
-        raise ValueError("cannot load the TF checkpoint " + reader.prefix + ":\n  " + "\n  ".join(problems))
-    return [_to_torch_layout(reader.read(target.name), target.perm) for target in targets]
+        if names.object_based:
+            base, found, _ = name.partition(marker)
+            owner = base if found else None
+        else:
+            head, _, tail = name.rpartition("/")
+            owner = head if suffix.fullmatch(tail) else None
+        if owner in keys:
+            extra[name] = (
+                f"a slot of {owner!r} that {type(opt).__name__} does not have: the checkpoint was "
+                "written by another optimizer (or another configuration of it)"
+            )
+    return extra
+
+
+def _load_error(reader: BundleReader, mismatched: dict[str, str], corrupt: dict[str, str]) -> ValueError:
+    """One error listing every problem: CorruptCheckpointError if any tensor is unreadable."""
+    lines = []
+    missing = sorted(n for n, why in mismatched.items() if why == "not in the checkpoint")
+    if missing:
+        available = sorted(n for n in reader.entries if n != _OBJECT_GRAPH)
+        shown = ", ".join(available[:20]) + (", ..." if len(available) > 20 else "")
+        lines.append(
+            f"not in the checkpoint: {', '.join(missing)} (it holds {len(available)} tensors: {shown})"
+        )
+    lines += [f"{name}: {why}" for name, why in sorted(mismatched.items()) if name not in missing]
+    lines += [f"{name}: {why}" for name, why in sorted(corrupt.items())]
+    message = "cannot load the TF checkpoint " + reader.prefix + ":\n  " + "\n  ".join(lines)
+    message += "\nnothing was loaded (strict=False loads what is valid and reports the rest)"
+    if corrupt:
+        return CorruptCheckpointError(message, {**mismatched, **corrupt})
+    return CheckpointMismatchError(message, mismatched)
 
 
 def _copy_into(dst: Tensor, src: Tensor) -> None:
