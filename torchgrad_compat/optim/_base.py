@@ -1006,7 +1006,7 @@ def _run_fused(single: Callable[..., None], *lists: list[Tensor], **scalars: Any
     # dynamo's default limit of 8 per function, which fullgraph turns into an error.
     with (
         torch.fx.experimental._config.patch(use_duck_shape=False),
-        torch._dynamo.config.patch(recompile_limit=_FUSED_GRAPH_LIMIT),
+        torch._dynamo.config.patch(**{_recompile_limit_name(): _FUSED_GRAPH_LIMIT}),
     ):
         for start in range(0, len(kernel_rows), FUSED_CHUNK):
             rows = kernel_rows[start : start + FUSED_CHUNK]
@@ -1020,6 +1020,11 @@ def _run_fused(single: Callable[..., None], *lists: list[Tensor], **scalars: Any
                 for lst, fill in zip([c for c in chunk if c], fillers, strict=True):
                     lst.extend(fill[:missing])
             kernel(*chunk, **scalars)
+
+
+def _recompile_limit_name() -> str:
+    """dynamo's per-function graph limit: ``recompile_limit`` in recent torch, ``cache_size_limit`` earlier."""
+    return "recompile_limit" if hasattr(torch._dynamo.config, "recompile_limit") else "cache_size_limit"
 
 
 def _filler(like: Tensor, count: int) -> list[list[Tensor]]:
