@@ -8,8 +8,12 @@ hung collective fails its test instead of stalling the run.
 from __future__ import annotations
 
 import multiprocessing
+import os
 import queue
+import signal
 import socket
+import subprocess
+import sys
 import time
 from collections.abc import Callable
 from typing import Any
@@ -58,3 +62,27 @@ def run_ranks(
                 p.kill()
                 p.join()
     return messages
+
+
+def torchrun(args: list[str], *, nproc: int, deadline_s: float, **popen: Any) -> tuple[int, str]:
+    """``python -m torch.distributed.run`` with ``nproc`` processes on 127.0.0.1 and a free port.
+
+    Returns the exit status and the combined output. Past ``deadline_s`` the
+    whole process group is killed and the status is that of the kill.
+    """
+    command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc)]
+    command += ["--master-addr", "127.0.0.1", "--master-port", str(free_port()), *args]
+    proc = subprocess.Popen(
+        command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True, **popen
+    )
+    try:
+        output, _ = proc.communicate(timeout=deadline_s)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        output, _ = proc.communicate()
+        output += f"\n(killed after {deadline_s} s)"
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    return proc.returncode, output

@@ -29,7 +29,7 @@ import _agn_workers as workers
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
-from _procs import free_port, run_ranks
+from _procs import free_port, run_ranks, torchrun
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
 import torchgrad_compat.optim as tgo
@@ -512,26 +512,8 @@ def test_rpc_server_restarted_from_a_checkpoint_continues(tmp_path):
 def test_train_agn_script_under_torchrun(tmp_path):
     """README's command: torchrun, one server and two workers on 127.0.0.1; the center learns."""
     script = Path(__file__).resolve().parents[1] / "scripts" / "train_agn.py"
-    command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "3"]
-    command += [
-        "--master-addr",
-        "127.0.0.1",
-        "--master-port",
-        str(free_port()),
-        str(script),
-        "--steps",
-        "60",
-    ]
-    proc = subprocess.Popen(
-        command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True
-    )
-    try:
-        output, _ = proc.communicate(timeout=GROUP_DEADLINE_S)
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
-    assert proc.returncode == 0, output
+    returncode, output = torchrun([str(script), "--steps", "60"], nproc=3, deadline_s=GROUP_DEADLINE_S)
+    assert returncode == 0, output
     before, after = (float(a) for a in re.findall(r"center accuracy (?:before|after) (\d\.\d+)", output))
     assert after > before + 0.3, output
     assert re.search(r"worker1: step 60 .* global_step \d+", output) and "worker2: step 60" in output, output

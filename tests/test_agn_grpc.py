@@ -14,17 +14,15 @@ import os
 import queue
 import re
 import shutil
-import signal
 import socket
 import subprocess
-import sys
 import time
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
-from _procs import free_port
+from _procs import free_port, torchrun
 
 grpc = pytest.importorskip("grpc")
 
@@ -204,28 +202,10 @@ def test_grpc_over_tls_serves_workers_that_trust_its_certificate(tmp_path):
 def test_train_agn_script_over_grpc_under_torchrun():
     """The README's gRPC command: torchrun, one server and two workers with a shared token."""
     script = Path(__file__).resolve().parents[1] / "scripts" / "train_agn.py"
-    command = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--nproc-per-node",
-        "3",
-        "--master-addr",
-        "127.0.0.1",
-    ]
-    command += ["--master-port", str(free_port()), str(script), "--steps", "60", "--transport", "grpc"]
-    command += ["--grpc-port", str(free_port())]
+    args = [str(script), "--steps", "60", "--transport", "grpc", "--grpc-port", str(free_port())]
     env = {**os.environ, "AGN_TOKEN": TOKEN}
-    proc = subprocess.Popen(
-        command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True, env=env
-    )
-    try:
-        output, _ = proc.communicate(timeout=120)
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
-    assert proc.returncode == 0, output
+    returncode, output = torchrun(args, nproc=3, deadline_s=120, env=env)
+    assert returncode == 0, output
     before, after = (float(a) for a in re.findall(r"center accuracy (?:before|after) (\d\.\d+)", output))
     assert after > before + 0.3, output
     assert "worker1: step 60" in output and "worker2: step 60" in output, output

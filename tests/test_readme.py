@@ -10,13 +10,11 @@ tests/test_loss_scale_trainers.py.
 
 from __future__ import annotations
 
-import os
-import signal
 import subprocess
 import sys
 
 import pytest
-from _procs import free_port
+from _procs import torchrun
 from _readme import is_trainer_recipe, python_blocks
 
 TORCHRUN_DEADLINE_S = 120
@@ -65,20 +63,5 @@ def test_torchrun_block_runs_under_torchrun(tmp_path, line):
     source = dict(python_blocks())[line]
     program = tmp_path / "readme_job.py"
     program.write_text(source)
-    command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "3"]
-    command += ["--master-addr", "127.0.0.1", "--master-port", str(free_port()), str(program)]
-    proc = subprocess.Popen(
-        command,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        start_new_session=True,
-        cwd=tmp_path,
-    )
-    try:
-        output, _ = proc.communicate(timeout=TORCHRUN_DEADLINE_S)
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
-    assert proc.returncode == 0, f"README.md block at line {line}:\n{output[-4000:]}"
+    returncode, output = torchrun([str(program)], nproc=3, deadline_s=TORCHRUN_DEADLINE_S, cwd=tmp_path)
+    assert returncode == 0, f"README.md block at line {line}:\n{output[-4000:]}"
