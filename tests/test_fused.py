@@ -233,7 +233,9 @@ def test_agn_workers_and_server_with_fused_optimizers_step_as_the_loop():
         host.start(server)
         params = [[torch.nn.Parameter(t.clone()) for t in start] for _ in range(2)]
         workers = [
-            AGNOptimizer(tgo.AdamOptimizer(ps, learning_rate=0.1, **path), 2, 2, server=host.endpoint(f"w{i}"))
+            AGNOptimizer(
+                tgo.AdamOptimizer(ps, learning_rate=0.1, **path), 2, 2, server=host.endpoint(f"w{i}")
+            )
             for i, ps in enumerate(params)
         ]
         for k in range(8):
