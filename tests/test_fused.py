@@ -9,6 +9,8 @@ contiguous), and so that compiling stays quick.
 from __future__ import annotations
 
 import copy
+import gc
+import weakref
 
 import pytest
 import torch
@@ -90,6 +92,48 @@ def test_one_graph_across_steps_schedulers_loads_and_shapes():
         if step == 2:
             opt.load_state_dict(opt.state_dict())
     assert counters["stats"]["unique_graphs"] == 1
+
+
+def test_kept_flat_aliases_follow_replaced_parameters_and_slots():
+    """Each step updates what parameters and slots hold now: after p.data = ..., a load, a transpose."""
+    runs = []
+    for path in ({"fused": True}, {"foreach": False}):
+        gen = torch.Generator().manual_seed(3)
+        params = [torch.nn.Parameter(torch.randn(s, generator=gen)) for s in SHAPES]
+        opt = tgo.AdamOptimizer(params, learning_rate=0.1, **path)
+        trace = []
+        for step in range(6):
+            for p in params:
+                p.grad = torch.randn(p.shape, generator=gen)
+            opt.step()
+            trace.append([p.detach().clone() for p in params])
+            if step == 1:
+                params[0].data = params[0].data * 2
+            if step == 2:
+                params[5].data = params[5].data.t()  # (2, 2): same memory, no longer contiguous
+            if step == 3:
+                state = opt.state_dict()
+                for s in state["state"].values():
+                    s["m"] = s["m"] * 0.5
+                opt.load_state_dict(state)
+        runs.append(trace)
+    rtol, atol = FUSED_TOL[torch.float32]
+    for fused, loop in zip(*runs, strict=True):
+        for f, r in zip(fused, loop, strict=True):
+            torch.testing.assert_close(f, r, rtol=rtol, atol=atol)
+
+
+def test_kept_flat_aliases_go_with_their_optimizer():
+    """The aliases kept between steps do not keep a dropped optimizer's slots allocated."""
+    params = [torch.nn.Parameter(torch.randn(s)) for s in SHAPES]
+    for p in params:
+        p.grad = torch.randn(p.shape)
+    opt = tgo.AdamOptimizer(params, learning_rate=0.1, fused=True)
+    opt.step()
+    plan = weakref.ref(optim_base._FusedPlan._kept[opt.state[params[0]]["m"]])
+    del opt
+    gc.collect()
+    assert plan() is None
 
 
 def test_fused_under_the_callers_torch_compile():
