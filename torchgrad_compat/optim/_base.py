@@ -1044,7 +1044,7 @@ class _FusedPlan:
     def __init__(self, single: Callable[..., None], lists: tuple[list[Tensor], ...], signature: Any):
         self.single, self.signature, self.chunk_size = single, signature, FUSED_CHUNK
         params = lists[0]
-        contiguous = zip(*signature[2], strict=True)
+        contiguous = zip(*signature[2], strict=True)  # per row, of each non-empty list
         fits = [p.numel() >= 2 and all(c) for p, c in zip(params, contiguous, strict=True)]
         self.loop_rows = [i for i, f in enumerate(fits) if not f]
         kernel_rows = [i for i, f in enumerate(fits) if f]
@@ -1069,6 +1069,7 @@ class _FusedPlan:
     def of(cls, single: Callable[..., None], lists: tuple[list[Tensor], ...]) -> _FusedPlan:
         """The kept plan for ``lists`` if it still holds, else a new one (kept in its place)."""
         kept = [lists[0], *lists[2:]]
+        # Addresses and sizes of parameters and slots, contiguity of every tensor (gradients too).
         signature = (
             [list(map(Tensor.data_ptr, lst)) for lst in kept],
             [list(map(Tensor.numel, lst)) for lst in kept],
