@@ -136,6 +136,13 @@ def test_kept_flat_aliases_go_with_their_optimizer():
     assert plan() is None
 
 
+def test_fused_functional_form_over_no_tensors_does_nothing():
+    from torchgrad_compat.optim.adam import adam
+
+    t = torch.tensor(0.1)
+    adam([], [], [], [], alpha=t, one_minus_beta1=t, one_minus_beta2=t, epsilon=t, foreach=False, fused=True)
+
+
 def test_fused_under_the_callers_torch_compile():
     """Inside a compiled train step the update is traced into the caller's graph: no nested compile."""
     results = []

@@ -988,6 +988,8 @@ def _run_fused(single: Callable[..., None], *lists: list[Tensor], **scalars: Any
     if torch.compiler.is_compiling():
         single(*lists, **scalars)
         return
+    if not lists[0]:
+        return
     plan = _FusedPlan.of(single, lists)
     if plan.loop_rows:
         single(*[[lst[i] for i in plan.loop_rows] if lst else [] for lst in lists], **scalars)
@@ -1033,9 +1035,10 @@ class _FusedPlan:
 
     A plan lives as long as the tensor it is kept under: the bucket's first
     slot (the optimizer's own: a plan goes with its optimizer or a loaded
-    state), or its first parameter for rules without slots. Memory a plan
-    holds that its tensors no longer use (after ``p.data = ...``) is let go
-    at the next fused step over that bucket.
+    state), or, for rules without slots, its first parameter (that plan
+    holds only the bucket's parameters). Memory a plan holds that its
+    tensors no longer use (after ``p.data = ...``) is let go at the next
+    fused step over that bucket.
     """
 
     # Weak keys compared by identity (WeakKeyDictionary would compare tensors with ==).
