@@ -123,14 +123,19 @@ def test_kept_flat_aliases_follow_replaced_parameters_and_slots():
             torch.testing.assert_close(f, r, rtol=rtol, atol=atol)
 
 
-def test_kept_flat_aliases_go_with_their_optimizer():
-    """The aliases kept between steps do not keep a dropped optimizer's slots allocated."""
+def test_kept_flat_aliases_serve_later_steps_and_go_with_their_optimizer():
+    """One plan serves step after step with new gradients; it does not keep a dropped optimizer's slots."""
     params = [torch.nn.Parameter(torch.randn(s)) for s in SHAPES]
-    for p in params:
-        p.grad = torch.randn(p.shape)
     opt = tgo.AdamOptimizer(params, learning_rate=0.1, fused=True)
-    opt.step()
-    plan = weakref.ref(optim_base._FusedPlan._kept[opt.state[params[0]]["m"]])
+    plans = []
+    for _ in range(2):
+        for p in params:
+            p.grad = torch.randn(p.shape)
+        opt.step()
+        plans.append(optim_base._FusedPlan._kept[opt.state[params[0]]["m"]])
+    assert plans[0] is plans[1]
+    plan = weakref.ref(plans.pop())
+    plans.clear()
     del opt
     gc.collect()
     assert plan() is None
