@@ -18,9 +18,11 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from optim_specs import FUSED_TOL
 from torch import Tensor, nn
 
 import torchgrad_compat.optim as tgo
+import torchgrad_compat.optim._base as optim_base
 from torchgrad_compat.xla import CrossShardOptimizer
 
 STEPS = 3
@@ -142,6 +144,33 @@ def check_full_batch_equivalence(rank: int, world: int) -> None:
     _train_against_reference(
         rank, world, optimizer="tf_adam", reduction="mean", style="step", dtype=torch.float32
     )
+
+
+def check_fused_as_the_reference_loop(rank: int, world: int) -> None:
+    """A fused inner optimizer steps as the same run with ``foreach=False``, at test_fused.py's tolerance."""
+    # Chunks of 4 tensors, as in tests/test_fused.py: quick to compile.
+    chunk, optim_base.FUSED_CHUNK = optim_base.FUSED_CHUNK, 4
+    try:
+        runs = []
+        for path in ({"fused": True}, {"foreach": False}):
+            model = Net(torch.float32)
+            opt = CrossShardOptimizer(tgo.AdamOptimizer(model.parameters(), learning_rate=0.05, **path))
+            trace = []
+            for step in range(STEPS):
+                batch = _global_batch(step, world, torch.float32)
+                opt.zero_grad()
+                _shard_loss(model, batch, rank).backward()
+                opt.step()
+                trace.append([p.detach().clone() for p in model.parameters()])
+            everyone = _gather_flat(model)
+            assert all(torch.equal(e, everyone[rank]) for e in everyone), f"{path}: ranks differ bitwise"
+            runs.append(trace)
+    finally:
+        optim_base.FUSED_CHUNK = chunk
+    rtol, atol = FUSED_TOL[torch.float32]
+    for step, (fused, loop) in enumerate(zip(*runs, strict=True)):
+        for f, r in zip(fused, loop, strict=True):
+            torch.testing.assert_close(f, r, rtol=rtol, atol=atol, msg=f"step {step} on rank {rank}")
 
 
 def check_subgroups_full_batch_equivalence(rank: int, world: int) -> None:

@@ -14,7 +14,9 @@ the ranks here. A non-finite gradient appears on rank 1 only, at chosen steps:
   it, and every rank must still take the same decision.
 
 Every rank must skip those steps (parameters bitwise unchanged), back off
-identically, and keep bitwise equal parameters.
+identically, and keep bitwise equal parameters. DDP around this package's Adam
+runs both with ``foreach=False`` and with ``fused=True``, and the two must agree
+at tests/test_fused.py's tolerance.
 """
 
 from __future__ import annotations
@@ -33,10 +35,12 @@ import pytest
 import torch
 import torch.distributed as dist
 from _procs import free_port
+from optim_specs import FUSED_TOL
 from torch import Tensor, nn
 from torch.nn import functional as F
 
 import torchgrad_compat.optim as tgo
+import torchgrad_compat.optim._base as optim_base
 from torchgrad_compat.amp import DynamicLossScale, LossScaleOptimizer
 
 WORLD = 2
@@ -58,7 +62,7 @@ def _has_cross_shard() -> bool:
     return True
 
 
-SCENARIOS = ["tf_style", "torch_style", "ddp", "ddp_fused"] + (
+SCENARIOS = ["tf_style", "torch_style", "ddp", "ddp_fused", "ddp_ours_loop", "ddp_ours_fused"] + (
     ["cross_shard", "cross_shard_tf_style"] if _has_cross_shard() else []
 )
 
@@ -133,12 +137,15 @@ def _torch_style(rank: int) -> list[dict[str, Any]]:
     return out
 
 
-def _ddp(rank: int, fused: bool = False) -> list[dict[str, Any]]:
-    """DDP around this package's Adam, or around torch's fused Adam, whose kernel skips on device."""
+def _ddp(rank: int, torch_fused: bool = False, **path: bool) -> list[dict[str, Any]]:
+    """DDP around this package's Adam (``path``: its foreach or fused flag), or torch's fused Adam.
+
+    Torch's fused Adam skips in its kernel, on device.
+    """
     model = nn.parallel.DistributedDataParallel(_model())
     params = list(model.parameters())
     opt = _new_optimizer(
-        torch.optim.Adam(params, 0.01, fused=True) if fused else tgo.AdamOptimizer(params, 0.01)
+        torch.optim.Adam(params, 0.01, fused=True) if torch_fused else tgo.AdamOptimizer(params, 0.01, **path)
     )
     out = []
     for step in range(STEPS):
@@ -186,7 +193,9 @@ RUNS: dict[str, Callable[[int], list[dict[str, Any]]]] = {
     "tf_style": _tf_style,
     "torch_style": _torch_style,
     "ddp": _ddp,
-    "ddp_fused": lambda rank: _ddp(rank, fused=True),
+    "ddp_fused": lambda rank: _ddp(rank, torch_fused=True),
+    "ddp_ours_loop": lambda rank: _ddp(rank, foreach=False),
+    "ddp_ours_fused": lambda rank: _ddp(rank, fused=True),
     "cross_shard": _cross_shard,
     "cross_shard_tf_style": _cross_shard_tf_style,
 }
@@ -196,6 +205,8 @@ def run_rank(rank: int, port: int, out_dir: str) -> None:
     """Entry point of a spawned rank: one gloo group, every scenario, results saved per rank."""
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
     torch.set_num_threads(1)
+    # Fused kernels over chunks of 4 tensors, as in tests/test_fused.py: quick to compile.
+    optim_base.FUSED_CHUNK = 4
     dist.init_process_group(
         "gloo",
         init_method=f"tcp://127.0.0.1:{port}",
@@ -270,6 +281,19 @@ def test_every_rank_skips_and_backs_off_together(ranks: list[dict[str, Any]], sc
         )
     if runs[0][0]["global_step"] is not None:
         assert [r["global_step"] for r in runs[0]] == [1, 1, 2, 2, 2, 3]
+
+
+def test_ddp_around_our_fused_adam_steps_as_the_loop(ranks: list[dict[str, Any]]) -> None:
+    """fused=True under DDP and loss scaling: every step as foreach=False, at test_fused.py's tolerance."""
+    rtol, atol = FUSED_TOL[torch.float32]
+    for rank, results in enumerate(ranks):
+        fused, loop = results["ddp_ours_fused"], results["ddp_ours_loop"]
+        assert not isinstance(fused, str) and not isinstance(loop, str), f"rank {rank} failed"
+        for step, (f, r) in enumerate(zip(fused, loop, strict=True)):
+            assert f["scale"] == r["scale"], f"rank {rank} step {step}"
+            torch.testing.assert_close(
+                f["params"], r["params"], rtol=rtol, atol=atol, msg=f"rank {rank} step {step}"
+            )
 
 
 def test_cross_shard_scenarios_run_when_available() -> None:

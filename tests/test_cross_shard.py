@@ -39,6 +39,7 @@ TWO_RANK_CHECKS = [
     "mismatched_parameters",
     "invalid_argument_on_one_rank",
     "different_steps_across_ranks",
+    "fused_as_the_reference_loop",
 ]
 FOUR_RANK_CHECKS = [
     "subgroup_divisor",
