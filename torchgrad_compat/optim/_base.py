@@ -1093,7 +1093,7 @@ class _FusedPlan:
 
 
 def _recompile_limit_name() -> str:
-    """dynamo's per-function graph limit: ``recompile_limit`` in recent torch, ``cache_size_limit`` earlier."""
+    """dynamo's per-function graph limit, ``recompile_limit`` (``cache_size_limit`` in older torch)."""
     return "recompile_limit" if hasattr(torch._dynamo.config, "recompile_limit") else "cache_size_limit"
 
 
