@@ -13,11 +13,11 @@ import io
 import os
 import traceback
 from collections.abc import Callable
-from datetime import timedelta
 from typing import Any
 
 import torch
 import torch.distributed as dist
+from _procs import init_gloo
 from optim_specs import FUSED_TOL
 from torch import Tensor, nn
 
@@ -530,15 +530,7 @@ CHECKS: dict[str, Callable[[int, int], None]] = {
 
 def run_checks(rank: int, world: int, port: int, names: list[str], results: Any) -> None:
     """Entry point of a spawned rank: one gloo group on 127.0.0.1, then every named check."""
-    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
-    torch.set_num_threads(1)
-    dist.init_process_group(
-        "gloo",
-        init_method=f"tcp://127.0.0.1:{port}",
-        rank=rank,
-        world_size=world,
-        timeout=timedelta(seconds=30),
-    )
+    init_gloo(rank, world, port)
     try:
         for name in names:
             try:
@@ -554,15 +546,7 @@ def frozen_peer(rank: int, world: int, port: int, timeout_s: float, results: Any
     """The last rank stops answering after construction; the others report how their step ended."""
     import time
 
-    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
-    torch.set_num_threads(1)
-    dist.init_process_group(
-        "gloo",
-        init_method=f"tcp://127.0.0.1:{port}",
-        rank=rank,
-        world_size=world,
-        timeout=timedelta(seconds=timeout_s),
-    )
+    init_gloo(rank, world, port, timeout_s)
     w = nn.Parameter(torch.ones(3))
     opt = CrossShardOptimizer(tgo.GradientDescentOptimizer([w], 0.1))
     if rank == world - 1:

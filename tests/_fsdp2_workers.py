@@ -9,16 +9,15 @@ reference run on the full model, element for element.
 
 from __future__ import annotations
 
-import os
 import traceback
 from collections.abc import Callable
-from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from _procs import init_gloo
 from optim_specs import spec_configs
 from torch import nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
@@ -255,15 +254,7 @@ CHECKS: dict[str, Callable[[int, int, Path], None]] = {
 
 def run_checks(rank: int, world: int, port: int, names: list[str], tmp: str, results: Any) -> None:
     """Entry point of a spawned rank: one gloo group on 127.0.0.1, then every named check."""
-    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
-    torch.set_num_threads(1)
-    dist.init_process_group(
-        "gloo",
-        init_method=f"tcp://127.0.0.1:{port}",
-        rank=rank,
-        world_size=world,
-        timeout=timedelta(seconds=30),
-    )
+    init_gloo(rank, world, port)
     try:
         for name in names:
             try:

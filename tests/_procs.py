@@ -86,3 +86,21 @@ def torchrun(args: list[str], *, nproc: int, deadline_s: float, **popen: Any) ->
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
     return proc.returncode, output
+
+
+def init_gloo(rank: int, world: int, port: int, timeout_s: float = 30.0) -> None:
+    """A spawned rank joins its gloo group on 127.0.0.1 (loopback, one torch thread per rank)."""
+    from datetime import timedelta
+
+    import torch
+    import torch.distributed as dist
+
+    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    torch.set_num_threads(1)
+    dist.init_process_group(
+        "gloo",
+        init_method=f"tcp://127.0.0.1:{port}",
+        rank=rank,
+        world_size=world,
+        timeout=timedelta(seconds=timeout_s),
+    )

@@ -27,14 +27,13 @@ import os
 import time
 import traceback
 from collections.abc import Callable
-from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 import torch.distributed as dist
-from _procs import free_port
+from _procs import free_port, init_gloo
 from optim_specs import FUSED_TOL
 from torch import Tensor, nn
 from torch.nn import functional as F
@@ -203,17 +202,9 @@ RUNS: dict[str, Callable[[int], list[dict[str, Any]]]] = {
 
 def run_rank(rank: int, port: int, out_dir: str) -> None:
     """Entry point of a spawned rank: one gloo group, every scenario, results saved per rank."""
-    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
-    torch.set_num_threads(1)
     # Fused kernels over chunks of 4 tensors, as in tests/test_fused.py: quick to compile.
     optim_base.FUSED_CHUNK = 4
-    dist.init_process_group(
-        "gloo",
-        init_method=f"tcp://127.0.0.1:{port}",
-        rank=rank,
-        world_size=WORLD,
-        timeout=timedelta(seconds=30),
-    )
+    init_gloo(rank, WORLD, port)
     results: dict[str, Any] = {}
     try:
         for name in SCENARIOS:
