@@ -28,9 +28,9 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
+from _host_reads import HostReads
 from optim_specs import SPECS, OptimSpec
 from torch import Tensor, nn
-from torch.utils._python_dispatch import TorchDispatchMode
 
 import torchgrad_compat.optim as tgo
 from torchgrad_compat.amp import DynamicLossScale, FixedLossScale, LossScaleOptimizer
@@ -327,19 +327,6 @@ def test_fused_inner_matches_an_unscaled_control_that_skips(name: str, factory: 
     assert float(opt.loss_scale()) == 128.0 * 0.5 * 2**2 * 0.5 * 2**4
 
 
-class _HostReads(TorchDispatchMode):
-    """Counts the host's reads of tensor values (``bool(t)``, ``t.item()``): on a GPU, each syncs."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.count = 0
-
-    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-        if func is torch.ops.aten._local_scalar_dense.default:
-            self.count += 1
-        return func(*args, **(kwargs or {}))
-
-
 # Not torch's foreach Adam: it reads its step counters, CPU tensors, on the host itself.
 HOST_READ_INNER = [("Adam", lambda ps: tgo.AdamOptimizer(ps, 0.01)), *FUSED]
 # Fused optimizers whose state exists before their first step (or that have none).
@@ -359,7 +346,7 @@ def test_host_reads_per_step(name: str, factory: Any) -> None:
         opt.get_scaled_loss(_mse(model, i) * (INF if i == 2 else 1.0)).backward()
         if i == 3:
             opt.unscale_()
-        with _HostReads() as reads:
+        with HostReads() as reads:
             opt.step()
         counts.append(reads.count)
     if name not in dict(FUSED):

@@ -32,6 +32,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from _host_reads import HostReads
 from _procs import free_port
 from optim_specs import SPECS, spec_configs
 from torch import nn
@@ -43,7 +44,6 @@ from torch.distributed.checkpoint.state_dict import (
     set_state_dict,
 )
 from torch.distributed.optim import ZeroRedundancyOptimizer
-from torch.utils._python_dispatch import TorchDispatchMode
 
 import torchgrad_compat.optim as tgo
 from torchgrad_compat.amp import DynamicLossScale, LossScaleOptimizer
@@ -499,32 +499,19 @@ def test_non_slot_state_written_by_a_tool_is_checked_before_the_step(one_rank_gr
         _train(model, local, range(2, 3))
 
 
-class _HostReads(TorchDispatchMode):
-    """Counts the host's reads of tensor values (on an accelerator, each would synchronise)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.count = 0
-
-    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-        if func is torch.ops.aten._local_scalar_dense.default:
-            self.count += 1
-        return func(*args, **(kwargs or {}))
-
-
 def test_non_slot_state_it_wrote_itself_is_not_read_again():
     model = _model()
     opt = _adam(list(model.parameters()))
     for step in range(3):
         opt.zero_grad()
         _loss(model, step).backward()
-        with _HostReads() as reads:
+        with HostReads() as reads:
             opt.step()
         assert reads.count == 0
     opt.param_groups[0]["beta1_power"] = opt.param_groups[0]["beta1_power"].clone()  # written by hand
-    with _HostReads() as reads:
+    with HostReads() as reads:
         opt.step()
     assert reads.count == 1  # the value written by hand is read and range-checked
-    with _HostReads() as reads:
+    with HostReads() as reads:
         opt.step()
     assert reads.count == 0  # the step replaced it with its own
