@@ -22,27 +22,27 @@ if importlib.util.find_spec("torch_xla") is not None:
 
 
 @pytest.fixture
-def run_tf_generator(tmp_path: Path) -> Callable[[Path], Path]:
-    """Run a committed fixture generator under real TensorFlow, writing into ``tmp_path``.
+def tf_python() -> str:
+    """An interpreter with real TensorFlow: this one when it can import tensorflow, else the one
+    named by ``TORCHGRAD_COMPAT_TF_PYTHON`` (TensorFlow and torch need not share an
+    environment); with neither, the test is skipped."""
+    if importlib.util.find_spec("tensorflow") is not None:
+        return sys.executable
+    python = os.environ.get("TORCHGRAD_COMPAT_TF_PYTHON")
+    if python is None:
+        pytest.skip(
+            "tensorflow is not importable here; set TORCHGRAD_COMPAT_TF_PYTHON to an interpreter that has it"
+        )
+    return python
 
-    The interpreter is this one when it can import tensorflow, else the one named by
-    ``TORCHGRAD_COMPAT_TF_PYTHON`` (TensorFlow and torch need not share an
-    environment); with neither, the test is skipped.
-    """
+
+@pytest.fixture
+def run_tf_generator(tmp_path: Path, tf_python: str) -> Callable[[Path], Path]:
+    """Run a committed fixture generator under real TensorFlow (``tf_python``), writing into ``tmp_path``."""
 
     def run(generator: Path) -> Path:
-        python = (
-            sys.executable
-            if importlib.util.find_spec("tensorflow") is not None
-            else os.environ.get("TORCHGRAD_COMPAT_TF_PYTHON")
-        )
-        if python is None:
-            pytest.skip(
-                "tensorflow is not importable here; "
-                "set TORCHGRAD_COMPAT_TF_PYTHON to an interpreter that has it"
-            )
         result = subprocess.run(
-            [python, str(generator), "--out", str(tmp_path)],
+            [tf_python, str(generator), "--out", str(tmp_path)],
             capture_output=True,
             text=True,
             timeout=600,

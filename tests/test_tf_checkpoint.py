@@ -24,7 +24,6 @@ and trained M more steps. Here:
 from __future__ import annotations
 
 import functools
-import importlib.util
 import json
 import os
 import shutil
@@ -240,24 +239,12 @@ def test_saved_checkpoint_is_tensorflows(case: dict[str, Any], tmp_path: Path) -
             np.testing.assert_allclose(reader.read(name).numpy(), value, rtol=rtol, atol=atol, err_msg=name)
 
 
-def _tf_python() -> str:
-    if importlib.util.find_spec("tensorflow") is not None:
-        return sys.executable
-    python = os.environ.get("TORCHGRAD_COMPAT_TF_PYTHON")
-    if python is None:
-        pytest.skip(
-            "tensorflow is not importable here; set TORCHGRAD_COMPAT_TF_PYTHON to an interpreter that has it"
-        )
-    return python
-
-
 @pytest.mark.tf_live
-def test_tensorflow_restores_and_continues(tmp_path: Path) -> None:
+def test_tensorflow_restores_and_continues(tmp_path: Path, tf_python: str) -> None:
     """TF's Saver restores what torch saved after K steps; its M more steps equal torch's."""
-    python = _tf_python()
     runs = {case["id"]: _train_and_save(case, tmp_path) for case in NAME_BASED}
     result = subprocess.run(
-        [python, str(GENERATOR), "--restore", str(tmp_path), "--fixtures", str(FIXTURES)],
+        [tf_python, str(GENERATOR), "--restore", str(tmp_path), "--fixtures", str(FIXTURES)],
         capture_output=True,
         text=True,
         timeout=600,
@@ -1078,15 +1065,14 @@ def test_converter_refuses_another_models_checkpoint(tmp_path: Path) -> None:
 
 
 @pytest.mark.tf_live
-def test_tf_train_generator_reproduces_the_fixture(tmp_path: Path) -> None:
+def test_tf_train_generator_reproduces_the_fixture(tmp_path: Path, tf_python: str) -> None:
     """TF's run of train.py's model on train.py's batches, regenerated: the fixture; train.py continues it."""
-    python = _tf_python()
     steps = TF_TRAIN_CASES["adam"]["steps_before"] + TF_TRAIN_CASES["adam"]["steps_after"]
     _script("train.py", "--export-batches", tmp_path / "batches.npz", "--steps", steps, cwd=tmp_path)
     fresh = tmp_path / "fresh"
     result = subprocess.run(
         [
-            python,
+            tf_python,
             str(ROOT / "scripts" / "make_tf_train_checkpoint.py"),
             "--batches",
             tmp_path / "batches.npz",
