@@ -305,3 +305,27 @@ def test_agn_workers_and_server_with_fused_optimizers_step_as_the_loop():
     rtol, atol = FUSED_TOL[torch.float32]
     for f, r in zip(run(fused=True), run(foreach=False), strict=True):
         torch.testing.assert_close(f, r, rtol=rtol, atol=atol)
+
+
+def test_half_precision_working_copies_are_made_a_chunk_at_a_time(monkeypatch):
+    """bfloat16 parameters go through float32 copies: never of the whole bucket at once."""
+    sizes: list[int] = []
+    apply_dense = tgo.AdamOptimizer._apply_dense
+
+    def recording(self, group, params, grads, slots, non_slot, hyper):
+        sizes.append(sum(p.numel() for p in params))
+        return apply_dense(self, group, params, grads, slots, non_slot, hyper)
+
+    monkeypatch.setattr(tgo.AdamOptimizer, "_apply_dense", recording)
+    results = []
+    for path in ({"fused": True}, {"foreach": False}):
+        gen = torch.Generator().manual_seed(3)
+        params = [torch.nn.Parameter(torch.randn(200_000, generator=gen).bfloat16()) for _ in range(4)]
+        opt = tgo.AdamOptimizer(params, learning_rate=0.1, **path)
+        for p in params:
+            p.grad = torch.randn(p.shape, generator=gen).bfloat16()
+        opt.step()
+        results.append(torch.cat([p.detach() for p in params]))
+    # 200k bfloat16 elements are 400 KB: one tensor per 512 KiB chunk, on both paths.
+    assert sizes == [200_000] * 8
+    torch.testing.assert_close(results[0], results[1], rtol=1.6e-2, atol=1e-5)

@@ -845,8 +845,11 @@ class Optimizer(torch.optim.Optimizer):
                 buckets.setdefault((p.device, p.dtype), []).append((g, p))
             for (device, dtype), bucket in buckets.items():
                 hyper = HyperScalars(values, _compute_dtype(dtype), device)
-                # The fused kernel makes one pass over the whole bucket; see pick_impl.
-                for chunk in [bucket] if group.get("fused") else _chunks(bucket):
+                # The fused kernel makes one pass over the whole bucket (see pick_impl), but
+                # half-precision parameters go through float32 working copies, made a chunk
+                # at a time so that they never hold the whole bucket.
+                whole = group.get("fused") and dtype not in _HALF_DTYPES
+                for chunk in [bucket] if whole else _chunks(bucket):
                     params = [p for _, p in chunk]
                     grads = [g for g, _ in chunk]
                     slots = [self.state.get(p, {}) for p in params]
