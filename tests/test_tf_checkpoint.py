@@ -39,6 +39,7 @@ import torch
 import torchgrad_compat.optim as tgo
 from torchgrad_compat.amp import DynamicLossScale, LossScaleOptimizer
 from torchgrad_compat.checkpoint import (
+    CheckpointMismatchError,
     CorruptCheckpointError,
     list_tf_checkpoint,
     load_tf_checkpoint,
@@ -371,6 +372,71 @@ def test_corrupt_bytes_raise_and_change_nothing(where: str, tmp_path: Path) -> N
     with pytest.raises(CorruptCheckpointError, match="CRC32C mismatch"):
         load_tf_checkpoint(prefix, run.var_map(), run.opt)
     _unchanged(run, before)
+
+
+def _saved_with(tmp_path: Path, make: Any, corrupt: Any) -> tuple[Path, Any]:
+    """A checkpoint of one step of ``make([w])`` whose state ``corrupt(opt)`` spoiled in place."""
+    w = torch.nn.Parameter(torch.ones(3))
+    opt = make([w])
+    w.grad = torch.ones(3)
+    opt.step() if not isinstance(opt, LossScaleOptimizer) else opt.apply_gradients([(torch.ones(3), w)])
+    corrupt(opt)
+    prefix = tmp_path / "spoiled" / "model.ckpt"
+    save_tf_checkpoint(prefix, {"w": w}, opt)
+    return prefix, make
+
+
+def _adam(ps: list[torch.Tensor]) -> tgo.Optimizer:
+    return tgo.AdamOptimizer(ps, learning_rate=0.1)
+
+
+def _adagrad_da(ps: list[torch.Tensor]) -> tgo.Optimizer:
+    return tgo.AdagradDAOptimizer(ps, learning_rate=0.1)
+
+
+def _lso(ps: list[torch.Tensor]) -> LossScaleOptimizer:
+    return LossScaleOptimizer(tgo.AdamOptimizer(ps, learning_rate=0.1), DynamicLossScale(8.0, 2))
+
+
+@pytest.mark.parametrize(
+    ("make", "corrupt", "match"),
+    [
+        (
+            _adam,
+            lambda o: o.param_groups[0]["beta1_power"].fill_(float("nan")),
+            r"beta1_power.*expected finite",
+        ),
+        (_adam, lambda o: o.param_groups[0]["beta1_power"].fill_(1.0), r"beta1_power value: 1.0; expected"),
+        (_adam, lambda o: o.param_groups[0]["beta2_power"].fill_(-0.5), r"beta2_power value: -0.5; expected"),
+        (
+            _adagrad_da,
+            lambda o: o.param_groups[0]["global_step"].fill_(-3),
+            r"global_step value: -3.0; expected",
+        ),
+        (_lso, lambda o: o.loss_scale.variables()[0].fill_(0.0), r"current_loss_scale value: 0.0; expected"),
+        (_lso, lambda o: o.loss_scale.variables()[1].fill_(-1), r"good_steps value: -1; expected"),
+    ],
+    ids=[
+        "beta1_power-nan",
+        "beta1_power-1",
+        "beta2_power-negative",
+        "global_step-negative",
+        "scale-0",
+        "steps-negative",
+    ],
+)
+def test_optimizer_state_out_of_range_raises_and_changes_nothing(
+    tmp_path: Path, make, corrupt, match
+) -> None:
+    """A checkpoint's beta powers, step or loss scale get the checks load_state_dict gives them."""
+    prefix, make = _saved_with(tmp_path, make, corrupt)
+    w = torch.nn.Parameter(torch.zeros(3))
+    opt = make([w])
+    before = [t.clone() for t in [w.detach(), *opt.variables()]]
+    with pytest.raises(CheckpointMismatchError, match=match):
+        load_tf_checkpoint(prefix, {"w": w}, opt)
+    after = [t.clone() for t in [w.detach(), *opt.variables()]]
+    assert len(after) == len(before) and all(torch.equal(a, b) for a, b in zip(after, before))
 
 
 def test_truncated_index_raises(tmp_path: Path) -> None:

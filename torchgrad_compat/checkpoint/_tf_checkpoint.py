@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import codecs
+import copy
 import os
 import re
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -267,6 +268,9 @@ class _Target:
     perm: tuple[int, ...] | None = None
     integer: bool = False  # an integer counter: any integer dtype is accepted
     shared: bool = False  # optimizer-wide state, one target per param group under one TF name
+    # State with a valid range (beta powers, steps, the loss scale): the owner's own check of a
+    # loaded value, run before anything is copied; it raises TypeError or ValueError.
+    check: Callable[[Tensor], None] | None = None
 
 
 def _targets(
@@ -297,20 +301,55 @@ def _targets(
         for cls, keys in _NON_SLOT.items():
             if isinstance(opt, cls):
                 for key in keys:
-                    for group_state in _optimizer_wide_state(opt):
-                        targets.append(_Target(names.non_slot(key), group_state[key], shared=True))
+                    for i, group_state in enumerate(_optimizer_wide_state(opt)):
+                        check = _non_slot_check(opt, key, i, group_state[key])
+                        targets.append(
+                            _Target(names.non_slot(key), group_state[key], shared=True, check=check)
+                        )
         if isinstance(opt, tgo.AdagradDAOptimizer):
             # TF's AdagradDA reads the global step; this port keeps it as a tensor or its own counter.
             if opt._global_step is not None:
                 steps = [opt._global_step]
             else:
                 steps = [group_state["global_step"] for group_state in _optimizer_wide_state(opt)]
-            targets.extend(_Target(step_name, step, integer=True, shared=True) for step in steps)
+            targets.extend(
+                _Target(
+                    step_name,
+                    step,
+                    integer=True,
+                    shared=True,
+                    check=_non_slot_check(opt, "global_step", i, step),
+                )
+                for i, step in enumerate(steps)
+            )
     if loss_scale is not None:
         scale, good_steps = loss_scale.variables()
-        targets.append(_Target(names.loss_scale("current_loss_scale"), scale))
-        targets.append(_Target(names.loss_scale("good_steps"), good_steps, integer=True))
+        targets.append(
+            _Target(
+                names.loss_scale("current_loss_scale"),
+                scale,
+                check=_loss_scale_check(loss_scale, "current_loss_scale"),
+            )
+        )
+        targets.append(
+            _Target(
+                names.loss_scale("good_steps"),
+                good_steps,
+                integer=True,
+                check=_loss_scale_check(loss_scale, "good_steps"),
+            )
+        )
     return targets, {t: slots for t, slots in fresh.items() if slots}
+
+
+def _non_slot_check(opt: tgo.Optimizer, key: str, group: int, current: Tensor) -> Callable[[Tensor], None]:
+    """The optimizer's own check of a loaded non-slot value (finite, in range), as load_state_dict runs it."""
+    return lambda value: opt._check_loaded_non_slot(f"{key} (group {group})", key, value, current)
+
+
+def _loss_scale_check(loss_scale: DynamicLossScale, key: str) -> Callable[[Tensor], None]:
+    """The loss scale's own check of a loaded ``key``: its ``load_state_dict``, tried on a copy."""
+    return lambda value: copy.deepcopy(loss_scale).load_state_dict({**loss_scale.state_dict(), key: value})
 
 
 # ---------------------------------------------------------------------- list / load
@@ -444,7 +483,8 @@ def _validate(
     """({name: why it does not fit its target}, {name: why its bytes cannot be read}).
 
     Names, shapes and dtypes come from the index; the data files are read only
-    to stream every remaining tensor's bytes through its CRC32C.
+    to stream every remaining tensor's bytes through its CRC32C, and to read
+    the scalars whose owner checks their range (``_Target.check``).
     """
     mismatched: dict[str, str] = {}
     for target in targets:
@@ -471,6 +511,12 @@ def _validate(
             reader.verify(name)
         except CorruptCheckpointError as error:
             corrupt[name] = str(error)
+    for target in targets:
+        if target.check is not None and target.name not in mismatched and target.name not in corrupt:
+            try:
+                target.check(reader.read(target.name))
+            except (TypeError, ValueError) as error:
+                mismatched.setdefault(target.name, f"invalid value: {error}")
     return mismatched, corrupt
 
 

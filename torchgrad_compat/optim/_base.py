@@ -694,10 +694,19 @@ class Optimizer(torch.optim.Optimizer):
                     "was it saved from another optimizer?"
                 )
             for key, value in self._non_slot_of(group).items():
-                _check_non_slot(cls, f"{key} (group {i})", saved[key], value)
-            for spec in self._non_slot_ranges:
-                if spec.key in self._non_slot_keys:
-                    spec.check(float(saved[spec.key]))
+                self._check_loaded_non_slot(f"{key} (group {i})", key, saved[key], value)
+
+    def _check_loaded_non_slot(self, name: str, key: str, value: Any, current: Tensor) -> None:
+        """A loaded value of the non-slot state ``key`` (``name`` in errors), before it is stored.
+
+        It must be of ``current``'s kind and shape, finite, and in the range
+        ``_non_slot_ranges`` gives (Adam's beta powers in [0, 1)). Used by
+        ``load_state_dict`` and by ``torchgrad_compat.checkpoint``.
+        """
+        _check_non_slot(type(self).__name__, name, value, current)
+        for spec in self._non_slot_ranges:
+            if spec.key == key:
+                spec.check(float(value))
 
     # ------------------------------------------------------------------ the update path
     def _create_slots(
