@@ -58,6 +58,8 @@ def _run(spec: OptimSpec, cid: str, dtype: torch.dtype, **path) -> list[torch.Te
 def test_fused_matches_the_reference_loop(spec: OptimSpec, cid: str, dtype: torch.dtype):
     fused = _run(spec, cid, dtype, fused=True)
     reference = _run(spec, cid, dtype, foreach=False)
+    # Every kernel is called directly: none fell back to dynamo's per-call guards.
+    assert all(kernel.direct is not None for kernel in optim_base._FusedKernel._compiled.values())
     if spec.name in SQRT_FREE:
         for f, r in zip(fused, reference, strict=True):
             assert torch.equal(f, r)
@@ -77,7 +79,9 @@ def test_compiled_sqrt_is_correctly_rounded_where_eager_is_not():
 
 def test_one_graph_across_steps_schedulers_loads_and_shapes():
     """Every chunk, step, learning rate and loaded checkpoint reuses one compiled graph."""
-    torch._dynamo.reset()  # graphs other tests compiled would be reused here
+    # Graphs other tests compiled would be reused here.
+    torch._dynamo.reset()
+    optim_base._FusedKernel._compiled.clear()
     counters.clear()
     gen = torch.Generator().manual_seed(1)
     shapes = [(3, 5), (7,), (4, 2, 3), (10,), (2, 2), (9, 9), (11,), (6, 1, 2), (5,), (3, 3, 3), (8,)]
@@ -92,6 +96,9 @@ def test_one_graph_across_steps_schedulers_loads_and_shapes():
         if step == 2:
             opt.load_state_dict(opt.state_dict())
     assert counters["stats"]["unique_graphs"] == 1
+    # Every call after the first went to Inductor's function directly, not through dynamo's guards.
+    (kernel,) = optim_base._FusedKernel._compiled.values()
+    assert kernel.direct is not None
 
 
 def test_kept_flat_aliases_follow_replaced_parameters_and_slots():

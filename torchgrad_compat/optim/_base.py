@@ -59,16 +59,16 @@ _VALID_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 _HALF_DTYPES = (torch.float16, torch.bfloat16)
 # CPU foreach updates run over chunks of at most this many parameter bytes (see _chunks).
 _CPU_CHUNK_BYTES = 512 * 1024
-# Tensors per compiled call of a fused update (see _run_fused): larger chunks call fewer times
-# but compile for longer (Adam, 1000 tensors: ~16 s cold at 8, ~31 s at 32, ~75 s at 100), and
-# save little: a call's host cost is mostly per tensor (Adam, 1000 tiny tensors, one thread,
-# plans kept: 9.0 ms per step at 32, 9.2 at 48, 8.7 at 64; cold compiles 25, 26 and 32 s).
-FUSED_CHUNK = 32
+# Tensors per compiled call of a fused update (see _run_fused). Larger chunks call fewer times
+# but compile for longer: Adam, cold Inductor cache, 22.5 s at 32 and 15.8 s at 16 (3.4 s warm),
+# while a call costs ~16 µs of host time (63 calls for 1000 tensors: 1 ms).
+FUSED_CHUNK = 16
 _FUSED_DEVICES = ("cpu", "cuda")
 # Graphs a fused update may compile per optimizer rule (dtypes, devices and options), for dynamo.
 _FUSED_GRAPH_LIMIT = 64
-# torch.compile'd reference loops, and the tensors that fill up a last chunk.
-_FUSED_KERNELS: dict[Callable[..., None], Callable[..., None]] = {}
+# Elements of the rows of zeros a fused kernel is compiled on (see _FusedKernel._compile).
+_FUSED_SIZE_HINT = 4096
+# The tensors that fill up a last chunk.
 _FUSED_FILLERS: dict[tuple[torch.device, torch.dtype, int], list[list[Tensor]]] = {}
 # Accepted numbers each Hyper remembers (a scheduler may produce a new lr at every step).
 _ACCEPTED_PER_HYPER = 1024
@@ -991,13 +991,14 @@ def _run_fused(single: Callable[..., None], *lists: list[Tensor], **scalars: Any
     costs minutes for a thousand tensors, so the kernel takes ``FUSED_CHUNK``
     tensors at a time, flattened, with symbolic sizes: one graph serves every
     chunk, step, learning rate (hyperparameters are 0-d tensor inputs) and
-    loaded checkpoint. The last chunk is filled up with small tensors of zeros
-    kept for that purpose (what the update makes of them is thrown away).
-    Tensors the kernel cannot take flattened (not contiguous) or with fewer
-    than two elements (torch.compile specialises sizes 0 and 1) go through the
-    reference loop itself. Inside a caller's own ``torch.compile`` the loop is
-    traced into the caller's graph instead. How the tensors are split and
-    flattened is kept between steps (see :class:`_FusedPlan`).
+    loaded checkpoint, and is called directly (see :class:`_FusedKernel`).
+    The last chunk is filled up with small tensors of zeros kept for that
+    purpose (what the update makes of them is thrown away). Tensors the kernel
+    cannot take flattened (not contiguous) or with fewer than two elements
+    (torch.compile specialises sizes 0 and 1) go through the reference loop
+    itself. Inside a caller's own ``torch.compile`` the loop is traced into
+    the caller's graph instead. How the tensors are split and flattened is
+    kept between steps (see :class:`_FusedPlan`).
     """
     if torch.compiler.is_compiling():
         single(*lists, **scalars)
@@ -1009,26 +1010,200 @@ def _run_fused(single: Callable[..., None], *lists: list[Tensor], **scalars: Any
         single(*[[lst[i] for i in plan.loop_rows] if lst else [] for lst in lists], **scalars)
     if not plan.chunks:
         return
-    kernel = _FUSED_KERNELS.get(single)
-    if kernel is None:
-        kernel = _FUSED_KERNELS[single] = torch.compile(single, dynamic=True, fullgraph=True)
+    kernel = _FusedKernel.of(single, lists, scalars)
+    if plan.has_fillers:
+        # Earlier calls moved them: every call sees the same values.
+        torch._foreach_zero_(plan.fillers)
     grads = lists[1]
-    # Without duck shaping, tensors that happen to share a size in the first chunk get their own
-    # symbols, so that the graph does not depend on it. Each option an optimizer's rule tests in
-    # Python (Ftrl's l1, l2, shrinkage, power) and each dtype is a graph of its own: more than
-    # dynamo's default limit of 8 per function, which fullgraph turns into an error.
-    with (
-        torch.fx.experimental._config.patch(use_duck_shape=False),
-        torch._dynamo.config.patch(**{_recompile_limit_name(): _FUSED_GRAPH_LIMIT}),
-    ):
-        for rows, chunk in plan.chunks:
-            # Gradients are flattened anew each step (they are usually new tensors); see _FusedPlan.
-            grad_chunk = [grads[i].view(-1).detach() for i in rows]
-            if len(rows) < plan.chunk_size:
-                grad_chunk += plan.grad_fillers
-                # The last call moved them: every call sees the same values.
-                torch._foreach_zero_(plan.fillers)
-            kernel(chunk[0], grad_chunk, *chunk[2:], **scalars)
+    for chunk in plan.chunks:
+        kernel(chunk, grads, scalars)
+
+
+class _FusedKernel:
+    """``single`` compiled for chunks of ``FUSED_CHUNK`` flat rows, called without dynamo's per-call work.
+
+    Through ``torch.compile`` a call over 32 rows of four tensors cost 160 µs
+    of host time, whatever the sizes: dynamo's guards, the size of every
+    input read back through a Python call, Inductor's check of every input's
+    size and stride. The kernel itself, for tiny tensors, is 2 µs. So the
+    graph is compiled once, through ``torch.compile`` with a backend that
+    keeps Inductor's compiled function (without the size checks), and each
+    later call hands that function its inputs directly, in the order of the
+    graph's placeholders: 16 µs a call. The graph is compiled on tensors of
+    zeros (see :meth:`_compile`) and the order read from that call: each
+    tensor input is found among its tensors by identity, and each symbolic
+    size through the tensor it is the size of. The guards
+    dynamo would check are what the caller guarantees: rows are 1-D,
+    contiguous, of at least two elements, and of the dtypes, device and
+    options of this kernel's key (see :meth:`of`). Should the graph take an
+    input that cannot be placed so (a torch release that lifts something
+    else), every call goes through ``torch.compile`` as usual.
+    """
+
+    _compiled: ClassVar[dict[Any, _FusedKernel]] = {}
+
+    def __init__(self, single: Callable[..., None]):
+        self.single = single
+        self.layout: list[tuple[str, Any]] | None = None
+        self.direct: Callable[..., Any] | None = None
+        self._captured: tuple[torch.fx.GraphModule, list[Any], Callable[..., Any]] | None = None
+        self._tried = False
+        self._through_dynamo = torch.compile(single, dynamic=True, fullgraph=True, backend=self._backend)
+
+    @classmethod
+    def of(
+        cls, single: Callable[..., None], lists: tuple[list[Tensor], ...], scalars: dict[str, Any]
+    ) -> _FusedKernel:
+        """The kernel for this rule, chunk size, device, dtypes and options (compiled at its first call)."""
+        key = (
+            single,
+            FUSED_CHUNK,
+            lists[0][0].device,
+            tuple(lst[0].dtype if lst else None for lst in lists),
+            tuple(
+                (name, (v.dtype, v.device, v.dim()) if isinstance(v, Tensor) else v)
+                for name, v in sorted(scalars.items())
+            ),
+        )
+        kernel = cls._compiled.get(key)
+        if kernel is None:
+            kernel = cls._compiled[key] = cls(single)
+        return kernel
+
+    def _backend(self, gm: torch.fx.GraphModule, example_inputs: list[Any]) -> Callable[..., Any]:
+        compiled = torch._inductor.compile(gm, example_inputs, options={"size_asserts": False})
+        self._captured = (gm, list(example_inputs), compiled)
+        return compiled
+
+    def __call__(self, chunk: _FusedChunk, grads: list[Tensor], scalars: dict[str, Any]) -> None:
+        if self.direct is None and not self._tried:
+            self._compile(chunk.lists(grads), scalars)
+        if self.direct is not None:
+            self.direct(*chunk.arguments(self, grads, scalars))
+        else:
+            self._through_dynamo_patched(chunk.lists(grads), scalars)
+
+    def _compile(self, lists: list[list[Tensor]], scalars: dict[str, Any]) -> None:
+        """Compile on rows of zeros shaped as ``_FUSED_SIZE_HINT`` (the user's tensors are not touched).
+
+        Inductor's C++ makes a loop OpenMP-parallel only if the sizes it
+        compiles for are large enough, and its disk cache does not key on
+        them: a kernel first compiled for small tensors would run on one
+        thread for every size, in every later process (Adam, 10M parameters
+        in 1000 tensors, 2 threads: 19.7 ms a step against 13.6 ms). So
+        the sizes it sees are always the same.
+        """
+        self._tried = True
+        like = [lst[0] if lst else None for lst in lists]
+        dummies = [
+            [torch.zeros(_FUSED_SIZE_HINT + i, dtype=t.dtype, device=t.device) for i in range(FUSED_CHUNK)]
+            if t is not None
+            else []
+            for t in like
+        ]
+        self._through_dynamo_patched(dummies, scalars)
+        if self._captured is not None:
+            gm, inputs, compiled = self._captured
+            self._captured = None
+            self.layout = _placeholder_layout(gm, inputs, dummies, scalars)
+            if self.layout is not None:
+                self.direct = compiled
+
+    def _through_dynamo_patched(self, lists: list[list[Tensor]], scalars: dict[str, Any]) -> None:
+        # Without duck shaping, tensors that happen to share a size get their own symbols, so
+        # that the graph does not depend on it. Each option an optimizer's rule tests in Python
+        # (Ftrl's l1, l2, shrinkage, power) and each dtype is a graph of its own: more than
+        # dynamo's default limit of 8 per function, which fullgraph turns into an error.
+        with (
+            torch.fx.experimental._config.patch(use_duck_shape=False),
+            torch._dynamo.config.patch(**{_recompile_limit_name(): _FUSED_GRAPH_LIMIT}),
+        ):
+            self._through_dynamo(*lists, **scalars)
+
+
+def _placeholder_layout(
+    gm: torch.fx.GraphModule, inputs: list[Any], lists: list[list[Tensor]], scalars: dict[str, Any]
+) -> list[tuple[str, Any]] | None:
+    """Where each input of a compiled chunk comes from, or None where one cannot be placed.
+
+    ``("row", (j, i))``: ``lists[j][i]``; ``("scalar", name)``: the keyword
+    argument; ``("size", i)``: the length of row ``i``. Every row must have
+    its size as an input (a size the graph took as a constant would hold for
+    no other chunk).
+    """
+    placeholders = [node for node in gm.graph.nodes if node.op == "placeholder"]
+    if len(placeholders) != len(inputs):
+        return None
+    rows = {id(t): (j, i) for j, lst in enumerate(lists) for i, t in enumerate(lst)}
+    names = {id(v): name for name, v in scalars.items() if isinstance(v, Tensor)}
+    size_row: dict[Any, int] = {}
+    for node, value in zip(placeholders, inputs, strict=True):
+        fake = node.meta.get("example_value")
+        if isinstance(value, Tensor) and id(value) in rows and isinstance(fake, Tensor) and fake.dim() == 1:
+            if isinstance(fake.shape[0], torch.SymInt):
+                size_row.setdefault(fake.shape[0].node.expr, rows[id(value)][1])
+    layout: list[tuple[str, Any]] = []
+    for node, value in zip(placeholders, inputs, strict=True):
+        fake = node.meta.get("example_value")
+        if isinstance(value, Tensor) and id(value) in rows:
+            layout.append(("row", rows[id(value)]))
+        elif isinstance(value, Tensor) and id(value) in names:
+            layout.append(("scalar", names[id(value)]))
+        elif isinstance(fake, torch.SymInt) and fake.node.expr in size_row:
+            layout.append(("size", size_row[fake.node.expr]))
+        else:
+            return None
+    sized = {where for kind, where in layout if kind == "size"}
+    if sized != set(range(len(lists[0]))):
+        return None
+    return layout
+
+
+class _FusedChunk:
+    """One call's worth of a plan: its rows, the flat aliases of all but the gradients, and their sizes."""
+
+    def __init__(self, rows: list[int], lists: list[list[Tensor]], grad_fillers: list[Tensor]):
+        self.rows, self.flat, self.grad_fillers = rows, lists, grad_fillers
+        self.sizes = [t.numel() for t in lists[0]]
+        # Per kernel: the kept argument list, and where this step's gradients and scalars go in it.
+        self._arguments: dict[int, tuple[list[Any], list[tuple[int, int]], list[tuple[int, str]]]] = {}
+
+    def lists(self, grads: list[Tensor]) -> list[list[Tensor]]:
+        """The chunk's lists, with this step's gradients flattened in."""
+        flat_grads = [grads[i].view(-1).detach() for i in self.rows] + self.grad_fillers
+        return [flat_grads if j == 1 else lst for j, lst in enumerate(self.flat)]
+
+    def arguments(self, kernel: _FusedKernel, grads: list[Tensor], scalars: dict[str, Any]) -> list[Any]:
+        """The inputs of ``kernel``'s compiled function for this chunk, in the graph's order."""
+        kept = self._arguments.get(id(kernel))
+        if kept is None:
+            template: list[Any] = []
+            grad_at: list[tuple[int, int]] = []
+            scalar_at: list[tuple[int, str]] = []
+            real = len(self.rows)
+            for position, (kind, where) in enumerate(kernel.layout or ()):
+                if kind == "row":
+                    j, i = where
+                    if j != 1:
+                        template.append(self.flat[j][i])
+                    elif i < real:
+                        grad_at.append((position, self.rows[i]))
+                        template.append(None)
+                    else:
+                        template.append(self.grad_fillers[i - real])
+                elif kind == "scalar":
+                    scalar_at.append((position, where))
+                    template.append(None)
+                else:
+                    template.append(self.sizes[where])
+            kept = self._arguments[id(kernel)] = (template, grad_at, scalar_at)
+        template, grad_at, scalar_at = kept
+        arguments = template.copy()
+        for position, i in grad_at:
+            arguments[position] = grads[i].view(-1)
+        for position, name in scalar_at:
+            arguments[position] = scalars[name]
+        return arguments
 
 
 class _FusedPlan:
@@ -1070,17 +1245,17 @@ class _FusedPlan:
         missing = -len(kernel_rows) % FUSED_CHUNK
         fill = dict(zip(used, [f[:missing] for f in _filler(params[0], len(used))], strict=True))
         self.fillers = [t for f in fill.values() for t in f]
-        self.grad_fillers = fill[1]
-        self.chunks: list[tuple[list[int], list[list[Tensor]]]] = []
+        self.has_fillers = bool(missing)
+        self.chunks: list[_FusedChunk] = []
         for start in range(0, len(kernel_rows), FUSED_CHUNK):
             rows = kernel_rows[start : start + FUSED_CHUNK]
             # Flat aliases of all but the gradients (index 1, flattened at each step).
             last = len(rows) < FUSED_CHUNK
-            chunk = [
+            flat = [
                 [lst[i].view(-1).detach() for i in rows] + (fill[j] if last else []) if lst and j != 1 else []
                 for j, lst in enumerate(lists)
             ]
-            self.chunks.append((rows, chunk))
+            self.chunks.append(_FusedChunk(rows, flat, fill[1] if last else []))
 
     @classmethod
     def of(cls, single: Callable[..., None], lists: tuple[list[Tensor], ...]) -> _FusedPlan:
