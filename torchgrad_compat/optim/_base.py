@@ -717,23 +717,28 @@ class Optimizer(torch.optim.Optimizer):
         ``evaluated`` holds each group's evaluated hyperparameters when an update
         follows; without it only the slots' initial values are evaluated.
         """
+        if type(self)._init_slots is Optimizer._init_slots:
+            # No slots: `state` stays empty, as torch's SGD leaves it.
+            return
         initial_values = tuple(
             spec for spec in self._hypers if isinstance(spec, Hyper) and spec.in_param_dtype
         )
-        for gi, pairs in grouped.items():
+        state = self.state
+        missing = {gi: [p for _, p in pairs if not state.get(p)] for gi, pairs in grouped.items()}
+        for gi, params in missing.items():
+            if params:
+                values = (
+                    evaluated[gi]
+                    if evaluated is not None
+                    else _evaluate(self.param_groups[gi], initial_values)
+                )
+                _check_slot_values(values, self._hypers, {p.dtype for p in params})
+        for gi, params in missing.items():
             group = self.param_groups[gi]
-            fresh = {p.dtype for _, p in pairs if not self.state.get(p)}
-            if fresh:
-                values = evaluated[gi] if evaluated is not None else _evaluate(group, initial_values)
-                _check_slot_values(values, self._hypers, fresh)
-        for gi, pairs in grouped.items():
-            group = self.param_groups[gi]
-            for _, p in pairs:
-                if not self.state.get(p):
-                    # An optimizer without slots leaves `state` empty, as torch's SGD does.
-                    slots = self._init_slots(group, p)
-                    if slots:
-                        self.state[p] = slots
+            for p in params:
+                slots = self._init_slots(group, p)
+                if slots:
+                    state[p] = slots
 
     def _check_live_non_slot(self, index: int, group: dict[str, Any]) -> None:
         """Check a group's non-slot state as the update is about to read it.
@@ -1200,7 +1205,9 @@ class _FusedChunk:
         template, grad_at, scalar_at = kept
         arguments = template.copy()
         for position, i in grad_at:
-            arguments[position] = grads[i].view(-1)
+            g = grads[i]
+            # Rows are contiguous (see _FusedPlan): ravel is a view, and a 1-D row needs none.
+            arguments[position] = g if g.dim() == 1 else g.ravel()
         for position, name in scalar_at:
             arguments[position] = scalars[name]
         return arguments
