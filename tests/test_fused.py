@@ -101,6 +101,18 @@ def test_one_graph_across_steps_schedulers_loads_and_shapes():
     assert kernel.direct is not None
 
 
+def test_a_graph_whose_inputs_cannot_be_placed_runs_through_torch_compile(monkeypatch):
+    """The fallback for a graph the direct call cannot feed: every call goes through dynamo, same numbers."""
+    monkeypatch.setattr(optim_base._FusedKernel, "_compiled", {})
+    monkeypatch.setattr(optim_base, "_placeholder_layout", lambda *args: None)
+    spec = next(spec for spec in SPECS if spec.name == "MomentumOptimizer")
+    cid = next(iter(spec.configs))
+    fused = _run(spec, cid, torch.float32, fused=True)
+    assert all(kernel.direct is None for kernel in optim_base._FusedKernel._compiled.values())
+    for f, r in zip(fused, _run(spec, cid, torch.float32, foreach=False), strict=True):
+        assert torch.equal(f, r)
+
+
 def test_kept_flat_aliases_follow_replaced_parameters_and_slots():
     """Each step updates what parameters and slots hold now: after p.data = ..., a load, a transpose."""
     runs = []
