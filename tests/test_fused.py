@@ -167,6 +167,19 @@ def test_fused_functional_form_over_no_tensors_does_nothing():
     adam([], [], [], [], alpha=t, one_minus_beta1=t, one_minus_beta2=t, epsilon=t, foreach=False, fused=True)
 
 
+def test_fused_functional_form_with_grad_mode_on_acts_as_the_loop():
+    """A leaf that requires grad is refused, as by the loop; nothing moves."""
+    from torchgrad_compat.optim.gradient_descent import gradient_descent
+
+    params = [torch.randn(40, requires_grad=True) for _ in range(3)]
+    before = [p.detach().clone() for p in params]
+    for path in ({"foreach": False}, {"foreach": False, "fused": True}):
+        with pytest.raises(RuntimeError, match="leaf Variable that requires grad"):
+            gradient_descent(params, [torch.ones(40)] * 3, lr=torch.tensor(0.5), **path)
+    for p, b in zip(params, before, strict=True):
+        assert torch.equal(p.detach(), b)
+
+
 def test_fused_under_the_callers_torch_compile():
     """Inside a compiled train step the update is traced into the caller's graph: no nested compile."""
     results = []

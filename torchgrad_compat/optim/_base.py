@@ -1002,10 +1002,14 @@ def _run_fused(single: Callable[..., None], *lists: list[Tensor], **scalars: Any
     cannot take flattened (not contiguous) or with fewer than two elements
     (torch.compile specialises sizes 0 and 1) go through the reference loop
     itself. Inside a caller's own ``torch.compile`` the loop is traced into
-    the caller's graph instead. How the tensors are split and flattened is
-    kept between steps (see :class:`_FusedPlan`).
+    the caller's graph instead, and with grad mode on it runs as it is. How
+    the tensors are split and flattened is kept between steps (see
+    :class:`_FusedPlan`).
     """
-    if torch.compiler.is_compiling():
+    if torch.compiler.is_compiling() or torch.is_grad_enabled():
+        # The kernels are compiled for no_grad (as optimizers step). With grad mode on, the
+        # functional form does what the loop does: refuse in-place updates of leaves that
+        # require grad, record the others for autograd.
         single(*lists, **scalars)
         return
     if not lists[0]:
@@ -1048,7 +1052,6 @@ class _FusedKernel:
     _compiled: ClassVar[dict[Any, _FusedKernel]] = {}
 
     def __init__(self, single: Callable[..., None]):
-        self.single = single
         self.layout: list[tuple[str, Any]] | None = None
         self.direct: Callable[..., Any] | None = None
         self._captured: tuple[torch.fx.GraphModule, list[Any], Callable[..., Any]] | None = None
