@@ -757,6 +757,41 @@ def test_expanded_gradient_gets_a_named_error_before_anything_changes():
     )
 
 
+@pytest.mark.parametrize("layouts", ["dense", "mixed"])
+@pytest.mark.parametrize("bad", [None, 1, 2, 3])
+def test_step_unscales_gradients_of_every_kind_as_the_functional_path(bad: int | None, layouts: str) -> None:
+    """float32 and float16 gradients in one optimizer, all dense or with a transposed
+    (non-contiguous) and a sparse one: step() applies what apply_gradients applies to
+    get_unscaled_gradients' result, bitwise, and an inf in any of them (``bad``) skips the step."""
+    shapes = [(3,), (4,), (2, 3), (5, 2)]
+    dtypes = [torch.float32, torch.float16, torch.float32, torch.float32]
+    torch.manual_seed(0)
+    grads = [torch.randn(s).to(d) * 64 for s, d in zip(shapes, dtypes, strict=True)]
+    if layouts == "mixed":
+        grads[2] = torch.randn(3, 2).t() * 64  # non-contiguous
+        grads[3] = torch.sparse_coo_tensor(torch.tensor([[0, 3]]), torch.randn(2, 2) * 64, (5, 2))
+    if bad is not None:
+        values = grads[bad]._values() if grads[bad].is_sparse else grads[bad]
+        values[(1,) * values.dim()] = INF
+    results = []
+    for mode in ("step", "apply"):
+        params = [torch.ones(s, dtype=d, requires_grad=True) for s, d in zip(shapes, dtypes, strict=True)]
+        opt = LossScaleOptimizer(tgo.AdagradOptimizer(params, 0.1), DynamicLossScale(64.0, 10))
+        if mode == "step":
+            _scaled_backward(opt, params)
+            for p, g in zip(params, grads, strict=True):
+                p.grad = g.clone()
+            opt.step()
+        else:
+            opt.apply_gradients(list(zip(opt.get_unscaled_gradients(grads), params, strict=True)))
+        results.append(([p.detach().clone() for p in params], float(opt.loss_scale())))
+    (stepped, scale), (applied, applied_scale) = results
+    _assert_same(stepped, applied)
+    assert scale == applied_scale == (32.0 if bad is not None else 64.0)
+    moved = [not torch.equal(p, torch.ones_like(p)) for p in stepped]
+    assert moved == [bad is None] * 4
+
+
 # ---------------------------------------------------------------------- a step is all or nothing
 class _FailsOnce(torch.optim.SGD):
     """SGD whose first ``step`` raises before changing anything (a transient failure)."""

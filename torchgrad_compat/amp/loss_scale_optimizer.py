@@ -284,34 +284,38 @@ class LossScaleOptimizer(OptimizerWrapper):
         The flag is None when the loss scale does not look at gradients (a
         fixed scale), so that no collective and no synchronisation follow.
         """
-        grads = [p.grad for p in self._all_params() if p.grad is not None]
-        if not grads:
+        params = self._all_params()
+        present = [(p, p.grad) for p in params if p.grad is not None]
+        if not present:
             raise RuntimeError(
                 "LossScaleOptimizer: no parameter has a gradient; call "
                 "opt.get_scaled_loss(loss).backward() before step() or unscale_()"
             )
         self._marks.check_scaled_backward(caller)
-        for i, p in enumerate(self._all_params()):
-            g = p.grad
-            if g is not None:
-                _check_grad(type(self).__name__, g, p)
-            # An expanded view (stride 0) shares one element between many: it cannot be unscaled in place.
-            if (
-                g is not None
-                and not g.is_sparse
-                and any(st == 0 and n > 1 for st, n in zip(g.stride(), g.shape, strict=True))
-            ):
-                raise RuntimeError(
-                    f"LossScaleOptimizer: p.grad of parameter {i} {_describe(p)} is an expanded view "
-                    f"(strides {g.stride()}) and cannot be unscaled in place; assign "
-                    "p.grad = p.grad.contiguous() before step() or unscale_()"
-                )
+        # One cheap pass for the usual case (dense, contiguous, fitting its parameter); the
+        # parameter-by-parameter checks, which name what is wrong, run only when it fails.
+        strided = torch.strided
+        usual = all(
+            g.layout == strided
+            and g.is_contiguous()
+            and g.shape == p.shape
+            and g.dtype == p.dtype
+            and g.device == p.device
+            for p, g in present
+        )
+        if not usual:
+            self._check_grads(params)
+        grads = [g for _, g in present]
         device = self._loss_scale.device
         inv_scale = torch.reciprocal(self._loss_scale())
-        # The fused kernel needs its flag and inverse scale on the gradients' device.
+        # The fused kernel needs its flag and inverse scale on the gradients' device, and on CUDA
+        # one dtype per call for its multi-tensor path.
         by_device: dict[torch.device, dict[torch.dtype, list[Tensor]]] = {}
         summed_later: list[Tensor] = []
-        for g in grads:
+        first = grads[0]
+        if usual and all(g.dtype == first.dtype and g.device == first.device for g in grads):
+            by_device[first.device] = {first.dtype: grads}
+        for g in grads if not by_device else ():
             if g.is_sparse:
                 if g.dtype == torch.float16 and not g.is_coalesced():
                     summed_later.append(g)
@@ -330,6 +334,26 @@ class LossScaleOptimizer(OptimizerWrapper):
             # Checked after unscaling: only rows whose unscaled sum overflows float16 skip the step.
             found_inf = torch.maximum(found_inf, found_non_finite(summed_later, device))
         return found_inf if self._loss_scale.checks_gradients else None
+
+    def _check_grads(self, params: list[Tensor]) -> None:
+        """Check every ``p.grad`` against its parameter, raising on the first that does not fit.
+
+        torch checks ``p.grad = ...`` but not ``p.grad.data = ...``. A sparse
+        gradient must be row-sparse; a dense one must not be an expanded view,
+        which cannot be unscaled in place.
+        """
+        for i, p in enumerate(params):
+            g = p.grad
+            if g is None:
+                continue
+            _check_grad(type(self).__name__, g, p)
+            # An expanded view (stride 0) shares one element between many: it cannot be unscaled in place.
+            if not g.is_sparse and any(st == 0 and n > 1 for st, n in zip(g.stride(), g.shape, strict=True)):
+                raise RuntimeError(
+                    f"LossScaleOptimizer: p.grad of parameter {i} {_describe(p)} is an expanded view "
+                    f"(strides {g.stride()}) and cannot be unscaled in place; assign "
+                    "p.grad = p.grad.contiguous() before step() or unscale_()"
+                )
 
     # ------------------------------------------------------------------ TF style
     def compute_gradients(
