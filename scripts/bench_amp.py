@@ -2,6 +2,7 @@
 
     python scripts/bench_amp.py --quick
     python scripts/bench_amp.py --workload 10M --repeats 30
+    python scripts/bench_amp.py --workload 10M-1000 --inner 'AdamOptimizer (ours, fused)' 'torch Adam (fused)'
     python scripts/bench_amp.py --device cuda --workload 100M
 
 For every inner optimizer three copies of the same parameters take steps, each
@@ -42,6 +43,7 @@ SCALE = 2.0**15
 WORKLOADS: dict[str, tuple[int, int]] = {
     "1M": (100, 10_000),
     "10M": (200, 50_000),
+    "10M-1000": (1000, 10_000),
     "100M": (200, 500_000),
 }
 # The target for the LossScaleOptimizer overhead.
@@ -51,6 +53,7 @@ TARGET = 0.10
 Factory = Callable[[list[Tensor]], torch.optim.Optimizer]
 INNER: dict[str, Factory] = {
     "AdamOptimizer (ours, foreach)": lambda ps: AdamOptimizer(ps, foreach=True),
+    "AdamOptimizer (ours, fused)": lambda ps: AdamOptimizer(ps, fused=True),
     "torch Adam (foreach)": lambda ps: torch.optim.Adam(ps, foreach=True),
     "torch Adam (fused)": lambda ps: torch.optim.Adam(ps, fused=True),
     "torch SGD (foreach)": lambda ps: torch.optim.SGD(ps, lr=0.01, foreach=True),

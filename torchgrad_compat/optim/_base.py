@@ -839,35 +839,49 @@ class Optimizer(torch.optim.Optimizer):
     def _apply(self, grouped: dict[int, list[tuple[Tensor, Tensor]]]) -> None:
         """Update each group from its checked ``(grad, param)`` pairs, then run ``_finish`` once per group."""
         self._sync_aliases()
-        dense: dict[int, list[tuple[Tensor, Tensor]]] = {}
+        cls = type(self).__name__
+        # One pass over the pairs: dense ones into (device, dtype) buckets of parameters and
+        # gradients, sparse ones aside, every DTensor pair checked.
+        dense: dict[int, dict[tuple[torch.device, torch.dtype], tuple[list[Tensor], list[Tensor]]]] = {}
         sparse: dict[int, list[tuple[Tensor, Tensor]]] = {}
+        sharded = False
         for gi, pairs in grouped.items():
+            buckets = dense[gi] = {}
             for g, p in pairs:
                 if isinstance(p, DTensor) or isinstance(g, DTensor):
-                    _check_dtensor_grad(type(self).__name__, g, p)
-                (sparse if g.is_sparse else dense).setdefault(gi, []).append((g, p))
+                    _check_dtensor_grad(cls, g, p)
+                    sharded = True
+                if g.is_sparse:
+                    sparse.setdefault(gi, []).append((g, p))
+                    continue
+                key = (p.device, p.dtype)
+                bucket = buckets.get(key)
+                if bucket is None:
+                    bucket = buckets[key] = ([], [])
+                bucket[0].append(p)
+                bucket[1].append(g)
         # Every group's values are checked before any group is updated: a step is all or nothing.
         evaluated = [_evaluate(group, self._hypers) for group in self.param_groups]
         if not torch.compiler.is_compiling():
             for i, group in enumerate(self.param_groups):
                 self._check_live_non_slot(i, group)
         self._create_slots(grouped, evaluated)
+        state = self.state
+        has_slots = type(self)._init_slots is not Optimizer._init_slots
         for gi, (group, values) in enumerate(zip(self.param_groups, evaluated, strict=True)):
             non_slot = self._non_slot_of(group)
-            buckets: dict[tuple[torch.device, torch.dtype], list[tuple[Tensor, Tensor]]] = {}
-            for g, p in dense.get(gi, []):
-                buckets.setdefault((p.device, p.dtype), []).append((g, p))
-            for (device, dtype), bucket in buckets.items():
+            for (device, dtype), (bucket_params, bucket_grads) in dense.get(gi, {}).items():
                 hyper = HyperScalars(values, _compute_dtype(dtype), device)
                 # The fused kernel makes one pass over the whole bucket (see pick_impl), but
                 # half-precision parameters go through float32 working copies, made a chunk
                 # at a time so that they never hold the whole bucket.
                 whole = group.get("fused") and dtype not in _HALF_DTYPES
-                for chunk in [bucket] if whole else _chunks(bucket):
-                    params = [p for _, p in chunk]
-                    grads = [g for g, _ in chunk]
-                    slots = [self.state.get(p, {}) for p in params]
-                    params, grads, slots = _local_shards(params, grads, slots)
+                spans = [(0, len(bucket_params))] if whole else _chunks(bucket_params)
+                for start, end in spans:
+                    params, grads = bucket_params[start:end], bucket_grads[start:end]
+                    slots = [state.get(p, {}) for p in params] if has_slots else [{}] * len(params)
+                    if sharded:
+                        params, grads, slots = _local_shards(params, grads, slots)
                     with _working_precision(params, grads, slots) as (ps, gs, ss):
                         self._apply_dense(group, ps, gs, ss, non_slot, hyper)
             for g, p in sparse.get(gi, []):
@@ -1322,8 +1336,9 @@ def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float32 if dtype in _HALF_DTYPES else dtype
 
 
-def _chunks(bucket: list[tuple[Tensor, Tensor]]) -> Iterator[list[tuple[Tensor, Tensor]]]:
-    """Split a CPU bucket into runs of at most ``_CPU_CHUNK_BYTES`` of parameters (at least one each).
+def _chunks(params: list[Tensor]) -> Iterator[tuple[int, int]]:
+    """Split a CPU bucket into runs of at most ``_CPU_CHUNK_BYTES`` of parameters (at least one each),
+    given as ``(start, end)`` indices into ``params``.
 
     A foreach op streams its whole list through memory before the next op
     starts; over a chunk that fits in cache the dozen ops of an update reuse
@@ -1335,17 +1350,17 @@ def _chunks(bucket: list[tuple[Tensor, Tensor]]) -> Iterator[list[tuple[Tensor, 
     ones lose again to the per-chunk overhead. Other devices get the whole
     bucket: one kernel launch per op is what they want.
     """
-    if bucket[0][1].device.type != "cpu":
-        yield bucket
+    if params[0].device.type != "cpu":
+        yield 0, len(params)
         return
     start, size = 0, 0
-    for i, (_, p) in enumerate(bucket):
+    for i, p in enumerate(params):
         nbytes = p.numel() * p.element_size()
         if size and size + nbytes > _CPU_CHUNK_BYTES:
-            yield bucket[start:i]
+            yield start, i
             start, size = i, 0
         size += nbytes
-    yield bucket[start:]
+    yield start, len(params)
 
 
 @contextmanager
