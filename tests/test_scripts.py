@@ -118,3 +118,24 @@ def test_train_script_resumes_bitwise(tmp_path: Path) -> None:
     whole, resumed = (torch.load(tmp_path / f, weights_only=True) for f in ("whole.pt", "resumed.pt"))
     assert whole["step"] == resumed["step"] == 8
     assert all(torch.equal(whole["model"][k], resumed["model"][k]) for k in whole["model"])
+
+
+def test_amp_bench_checks_smoke() -> None:
+    """scripts/bench_amp.py --checks: a time for each gradient pass, after the compiled read-only
+    check was seen to catch an infinity (the script raises otherwise)."""
+    script = TRAIN.with_name("bench_amp.py")
+    result = subprocess.run(
+        [sys.executable, str(script), "--checks", "--quick"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    rows = re.findall(r"^\| (.+?) \| ([\d.]+) \|$", result.stdout, re.M)
+    assert [name.split(",")[0].split(":")[0] for name, _ in rows] == [
+        "torch check-and-unscale",
+        "read-only check",
+        "floor",
+    ], result.stdout
+    assert all(float(ms) > 0 for _, ms in rows)
