@@ -260,8 +260,13 @@ def _gradient_cases() -> list[Case]:
     cases = []
     for cls_name in OPTIMIZERS:
         for label, make in BAD_GRADS.items():
-            # torch itself refuses to assign a dense p.grad of another shape, dtype or device.
-            modes = ("apply_gradients", "step") if label.startswith("sparse, row") else ("apply_gradients",)
+            # torch itself refuses to assign a dense p.grad of another shape, dtype or device,
+            # but not to replace the .data of one it holds.
+            modes = ["apply_gradients"]
+            if label.startswith("sparse, row"):
+                modes.append("step")
+            elif label in ("wrong shape", "float64 on a float32 variable"):
+                modes.append("step, through p.grad.data")
             for mode in modes:
 
                 def build(cls_name=cls_name, make=make, mode=mode):
@@ -271,7 +276,11 @@ def _gradient_cases() -> list[Case]:
                         return (opt, params), lambda: opt.apply_gradients(
                             [(good, params[0]), (bad, params[1])]
                         )
-                    params[0].grad, params[1].grad = good, bad
+                    if mode == "step":
+                        params[0].grad, params[1].grad = good, bad
+                    else:
+                        params[0].grad, params[1].grad = good, torch.zeros_like(params[1])
+                        params[1].grad.data = bad
                     return (opt, params), opt.step
 
                 names = ("grad", "shape", "dtype", "index", "indices", "device", "sparse")

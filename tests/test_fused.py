@@ -180,6 +180,46 @@ def test_fused_functional_form_with_grad_mode_on_acts_as_the_loop():
         assert torch.equal(p.detach(), b)
 
 
+@pytest.mark.parametrize(
+    ("grads", "ms", "words"),
+    [
+        pytest.param(
+            [40, 20, 40], [40, 40, 40], r"gradient 1 .*shape=\(20,\).* its parameter has 40", id="short-grad"
+        ),
+        pytest.param([40, 40, 80], [40, 40, 40], r"gradient 2 .*shape=\(80,\)", id="long-grad"),
+        pytest.param(
+            [40, "f64", 40], [40, 40, 40], r"gradient 1 .*float64.*gradient 0 is torch.float32", id="f64-grad"
+        ),
+        pytest.param([40, 40, 40], [40, 40, 10], r"slot 2 .*shape=\(10,\)", id="short-slot"),
+        pytest.param([40, 40], [40, 40, 40], "2 gradients for 3 parameters", id="missing-grad"),
+    ],
+)
+def test_fused_functional_form_refuses_rows_that_do_not_fit(grads, ms, words):
+    """The kernels take each row as long as its parameter and of its list's dtype: a row that
+    differs would be read or written past its end. The functional form checks before anything moves."""
+    from torchgrad_compat.optim.adam import adam
+
+    params = [torch.ones(40) for _ in range(3)]
+    gs = [torch.ones(40, dtype=torch.float64) if n == "f64" else torch.ones(n) for n in grads]
+    m, v = [torch.zeros(n) for n in ms], [torch.zeros(40) for _ in range(3)]
+    one = torch.tensor(1.0)
+    with torch.no_grad(), pytest.raises(ValueError, match=words):
+        adam(
+            params,
+            gs,
+            m,
+            v,
+            alpha=one * 0.1,
+            one_minus_beta1=one * 0.1,
+            one_minus_beta2=one * 0.001,
+            epsilon=one * 1e-8,
+            foreach=False,
+            fused=True,
+        )
+    assert all(torch.equal(p, torch.ones(40)) for p in params)
+    assert all(not t.any() for t in m + v)
+
+
 def test_fused_under_the_callers_torch_compile():
     """Inside a compiled train step the update is traced into the caller's graph: no nested compile."""
     results = []

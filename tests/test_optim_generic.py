@@ -17,6 +17,7 @@ import torch
 from optim_specs import SPECS, OptimSpec, spec_configs
 
 import torchgrad_compat.optim as tgo
+import torchgrad_compat.optim._base as optim_base
 from torchgrad_compat.optim._base import _CPU_CHUNK_BYTES, Hyper
 
 DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16)
@@ -401,6 +402,46 @@ def test_sparse_row_out_of_range_changes_nothing(spec: OptimSpec, cid: str, mode
     opt.apply_gradients([(dense, params[1]), (good, params[0])])  # the retry applies once
     ref.apply_gradients([(dense.clone(), twin[1]), (good, twin[0])])
     _assert_bitwise(_snapshot(opt, params), _snapshot(ref, twin))
+
+
+MISFIT_DATA = {
+    # p.grad.data = ...: torch checks p.grad = ... but not this.
+    "fewer-elements": (
+        lambda g: g.reshape(-1)[:6].clone(),
+        ValueError,
+        r"gradient shape \(6,\) does not match",
+    ),
+    "transposed-shape": (lambda g: g.t().contiguous(), ValueError, r"gradient shape \(3, 4\) does not match"),
+    "float64": (lambda g: g.double(), TypeError, "gradient dtype torch.float64 does not match"),
+}
+
+
+@pytest.mark.parametrize("path", ["loop", "foreach", "fused"])
+@pytest.mark.parametrize("misfit", list(MISFIT_DATA))
+@pytest.mark.parametrize(("spec", "cid"), DEFAULT_CONFIGS, ids=DEFAULT_IDS)
+def test_step_refuses_a_gradient_replaced_through_data(
+    spec: OptimSpec, cid: str, misfit: str, path: str, monkeypatch
+):
+    """A p.grad whose .data no longer fits its parameter is refused by name before anything
+    changes, on every path: the fused kernels would otherwise read it past its end."""
+    monkeypatch.setattr(optim_base, "FUSED_CHUNK", 4)  # the kernels test_fused.py compiles
+    params = _params()
+    opt = spec.make(
+        params,
+        cid,
+        **{"loop": {"foreach": False}, "foreach": {"foreach": True}, "fused": {"fused": True}}[path],
+    )
+    for p, g in zip(params, _grads(params, 0), strict=True):
+        p.grad = g
+    opt.step()  # slots and non-slot state exist
+    replace, exception, words = MISFIT_DATA[misfit]
+    grads = _grads(params, 1)
+    params[1].grad, params[0].grad = grads[1], grads[0]
+    params[0].grad.data = replace(grads[0])
+    before = _snapshot(opt, params)
+    with pytest.raises(exception, match=words):
+        opt.step()
+    _assert_bitwise(_snapshot(opt, params), before)
 
 
 @pytest.mark.parametrize("bad", [math.nan, 1e39, -1.0], ids=repr)
