@@ -10,7 +10,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from ..optim._base import _called_from_dcp_init, _check_global_step, _check_grad, _describe
+from ..optim._base import _called_from_dcp_init, _check_global_step, _check_grad, _describe, _grads_fit
 from ..optim._wrapper import OptimizerWrapper
 from .loss_scale import LossScale, as_loss_scale, found_non_finite
 
@@ -285,27 +285,19 @@ class LossScaleOptimizer(OptimizerWrapper):
         fixed scale), so that no collective and no synchronisation follow.
         """
         params = self._all_params()
-        present = [(p, p.grad) for p in params if p.grad is not None]
+        present = [(g, p) for p in params if (g := p.grad) is not None]
         if not present:
             raise RuntimeError(
                 "LossScaleOptimizer: no parameter has a gradient; call "
                 "opt.get_scaled_loss(loss).backward() before step() or unscale_()"
             )
         self._marks.check_scaled_backward(caller)
+        grads = [g for g, _ in present]
         # One cheap pass for the usual case (dense, contiguous, fitting its parameter); the
         # parameter-by-parameter checks, which name what is wrong, run only when it fails.
-        strided = torch.strided
-        usual = all(
-            g.layout == strided
-            and g.is_contiguous()
-            and g.shape == p.shape
-            and g.dtype == p.dtype
-            and g.device == p.device
-            for p, g in present
-        )
+        usual = _grads_fit(present) and all(map(Tensor.is_contiguous, grads))
         if not usual:
             self._check_grads(params)
-        grads = [g for _, g in present]
         device = self._loss_scale.device
         inv_scale = torch.reciprocal(self._loss_scale())
         # The fused kernel needs its flag and inverse scale on the gradients' device, and on CUDA
@@ -315,12 +307,13 @@ class LossScaleOptimizer(OptimizerWrapper):
         first = grads[0]
         if usual and all(g.dtype == first.dtype and g.device == first.device for g in grads):
             by_device[first.device] = {first.dtype: grads}
-        for g in grads if not by_device else ():
-            if g.is_sparse:
-                if g.dtype == torch.float16 and not g.is_coalesced():
-                    summed_later.append(g)
-                g = g._values()
-            by_device.setdefault(g.device, {}).setdefault(g.dtype, []).append(g)
+        else:
+            for g in grads:
+                if g.is_sparse:
+                    if g.dtype == torch.float16 and not g.is_coalesced():
+                        summed_later.append(g)
+                    g = g._values()
+                by_device.setdefault(g.device, {}).setdefault(g.dtype, []).append(g)
         found_inf = torch.zeros(1, dtype=torch.float32, device=device)
         for grad_device, by_dtype in by_device.items():
             here = grad_device == device

@@ -499,12 +499,8 @@ class Optimizer(torch.optim.Optimizer):
             # update, or, in the fused kernels, be read past its end. One cheap pass covers
             # the usual case; each gradient is checked, with a named error, only when it
             # fails (and for sparse gradients, whose rows must be checked).
-            strided = torch.strided
             for pairs in grouped.values():
-                if not all(
-                    g.layout == strided and g.shape == p.shape and g.dtype == p.dtype and g.device == p.device
-                    for g, p in pairs
-                ):
+                if not _grads_fit(pairs):
                     for g, p in pairs:
                         _check_grad(type(self).__name__, g, p)
             if _called_from_dcp_init():
@@ -1608,6 +1604,16 @@ def _merge_old_non_slot(cls: str, state_dict: Any) -> Any:
         )
     state_dict["param_groups"] = [{**g, **ns} for g, ns in zip(groups, old, strict=True)]
     return state_dict
+
+
+def _grads_fit(pairs: Iterable[tuple[Tensor, Tensor]]) -> bool:
+    """Whether every ``(grad, param)`` pair is dense and strided, with the parameter's shape, dtype
+    and device: one cheap pass for the usual case, before ``_check_grad`` names what is wrong."""
+    strided = torch.strided
+    return all(
+        g.layout == strided and g.shape == p.shape and g.dtype == p.dtype and g.device == p.device
+        for g, p in pairs
+    )
 
 
 def _check_grad(cls: str, g: Any, p: Tensor) -> None:
