@@ -33,15 +33,17 @@ DEFAULT_CONFIGS = [(spec, next(iter(spec.configs))) for spec in SPECS]
 DEFAULT_IDS = _ids(DEFAULT_CONFIGS)
 
 
-def _params(dtype=torch.float32, seed=0, *, empty=False):
+def _params(dtype=torch.float32, seed=0, *, empty=False, device="cpu"):
     gen = torch.Generator().manual_seed(seed)
     shapes = [(4, 3), (5,)] + ([(0,)] if empty else [])
-    return [torch.randn(s, generator=gen, dtype=torch.float64).to(dtype).requires_grad_() for s in shapes]
+    return [
+        torch.randn(s, generator=gen, dtype=torch.float64).to(device, dtype).requires_grad_() for s in shapes
+    ]
 
 
 def _grads(params, step, seed=1):
     gen = torch.Generator().manual_seed(seed * 1000 + step)
-    return [torch.randn(p.shape, generator=gen, dtype=torch.float64).to(p.dtype) for p in params]
+    return [torch.randn(p.shape, generator=gen, dtype=torch.float64).to(p.device, p.dtype) for p in params]
 
 
 def _state_tensors(opt):
@@ -80,12 +82,19 @@ def _run_apply(spec, cid, params, steps, *, foreach=None, skip=None, **overrides
 # ---------------------------------------------------------------- implementations agree
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize(("spec", "cid"), SPEC_CONFIGS, ids=SPEC_IDS)
-def test_foreach_matches_reference(spec: OptimSpec, cid: str, dtype):
+@pytest.mark.parametrize(
+    "device",
+    [
+        "cpu",
+        pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")),
+    ],
+)
+def test_foreach_matches_reference(spec: OptimSpec, cid: str, dtype, device):
     # Bitwise: the foreach path issues the same ops in the same order. Step 2 has no
     # gradient for var1, so the per-call bookkeeping of partial updates is exercised.
     runs = []
     for foreach in (False, True):
-        params = _params(dtype, empty=True)
+        params = _params(dtype, empty=True, device=device)
         opt = _run_apply(spec, cid, params, 5, foreach=foreach, skip=lambda s: {1} if s == 2 else set())
         runs.append((params, opt))
     (p_ref, o_ref), (p_fe, o_fe) = runs

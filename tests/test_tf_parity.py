@@ -71,35 +71,35 @@ def _gradient(arrays: dict[str, np.ndarray], i: int, k: int) -> np.ndarray | tup
     return arrays[f"grad{i}/indices"][rows], arrays[f"grad{i}/values"][rows]
 
 
-def _sparse(indices: np.ndarray, values: np.ndarray, shape: torch.Size) -> torch.Tensor:
+def _sparse(indices: np.ndarray, values: np.ndarray, like: torch.Tensor) -> torch.Tensor:
     """An uncoalesced row-sparse COO tensor, duplicates kept in order (TF's IndexedSlices)."""
     return torch.sparse_coo_tensor(
-        torch.tensor(indices)[None], torch.tensor(values), shape, check_invariants=True
-    )
+        torch.tensor(indices)[None], torch.tensor(values), like.shape, check_invariants=True
+    ).to(like.device)
 
 
 def _apply(opt: tgo.Optimizer, params: list[torch.Tensor], arrays: dict[str, np.ndarray], k: int) -> None:
     grads = []
     for i, p in enumerate(params):
         grad = _gradient(arrays, i, k)
-        grads.append(_sparse(*grad, p.shape) if isinstance(grad, tuple) else torch.tensor(grad))
+        grads.append(_sparse(*grad, p) if isinstance(grad, tuple) else torch.tensor(grad, device=p.device))
     opt.apply_gradients(list(zip(grads, params, strict=True)))
 
 
 def _step(opt: tgo.Optimizer, params: list[torch.Tensor], arrays: dict[str, np.ndarray], k: int) -> None:
     opt.zero_grad()
-    loss = torch.zeros((), dtype=params[0].dtype)
+    loss = torch.zeros((), dtype=params[0].dtype, device=params[0].device)
     assigned = {}
     for i, p in enumerate(params):
         grad = _gradient(arrays, i, k)
         if not isinstance(grad, tuple):
-            loss = loss + (p * torch.tensor(grad)).sum()
+            loss = loss + (p * torch.tensor(grad, device=p.device)).sum()
         elif p.dim() > 1:
             indices, values = grad
-            rows = F.embedding(torch.tensor(indices), p, sparse=True)
-            loss = loss + (rows * torch.tensor(values)).sum()
+            rows = F.embedding(torch.tensor(indices, device=p.device), p, sparse=True)
+            loss = loss + (rows * torch.tensor(values, device=p.device)).sum()
         else:
-            assigned[p] = _sparse(*grad, p.shape)
+            assigned[p] = _sparse(*grad, p)
     loss.backward()
     for p, grad in assigned.items():
         p.grad = grad
@@ -111,17 +111,23 @@ def _numpy(t: torch.Tensor) -> np.ndarray:
     return t.detach().cpu().numpy().copy()
 
 
-def run_case(case: dict[str, Any], mode: str, **path: Any) -> list[tuple[str, np.ndarray, np.ndarray]]:
+def run_case(
+    case: dict[str, Any], mode: str, device: str = "cpu", **path: Any
+) -> list[tuple[str, np.ndarray, np.ndarray]]:
     """Run a fixture case; return (what, ours, TF's) for every compared array, in order.
 
-    ``path`` picks the update path (``fused=True``); the default is the reference loop on the CPU.
+    ``path`` picks the update path (``fused=True``); the default is the device's default path
+    (the reference loop on the CPU, foreach on CUDA).
     """
     cls = getattr(tgo, case["optimizer"], None)
     if cls is None:
         pytest.fail(f"torchgrad_compat.optim has no {case['optimizer']}, which the fixtures cover")
     arrays = case_arrays(case)
     dtype = getattr(torch, case["dtype"])
-    params = [torch.nn.Parameter(torch.tensor(arrays[f"var{i}/init"])) for i in range(len(case["shapes"]))]
+    params = [
+        torch.nn.Parameter(torch.tensor(arrays[f"var{i}/init"], device=device))
+        for i in range(len(case["shapes"]))
+    ]
     assert all(p.dtype == dtype for p in params)
     opt = cls(params, **case["kwargs"], **path)
     drive = _apply if mode == "apply" else _step
@@ -163,6 +169,21 @@ def test_fused_matches_tensorflow(case: dict[str, Any], mode: str, monkeypatch) 
     monkeypatch.setattr(optim_base, "FUSED_CHUNK", 4)
     rtol, atol = TOLERANCE[case["dtype"]]
     for what, ours, theirs in run_case(case, mode, fused=True):
+        assert ours.dtype == theirs.dtype, f"{what}: dtype {ours.dtype}, TF's is {theirs.dtype}"
+        np.testing.assert_allclose(ours, theirs, rtol=rtol, atol=atol, err_msg=what)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("path", [{}, {"fused": True}], ids=["default", "fused"])
+@pytest.mark.parametrize(
+    ("case", "mode"),
+    [pytest.param(case, mode, id=f"{case['id']}-{mode}") for case in MANIFEST for mode in MODES],
+)
+def test_cuda_matches_tensorflow(case: dict[str, Any], mode: str, path: dict[str, Any], monkeypatch) -> None:
+    """The fixtures on a GPU, through the default path (foreach) and fused=True (Triton kernels)."""
+    monkeypatch.setattr(optim_base, "FUSED_CHUNK", 4)
+    rtol, atol = TOLERANCE[case["dtype"]]
+    for what, ours, theirs in run_case(case, mode, "cuda", **path):
         assert ours.dtype == theirs.dtype, f"{what}: dtype {ours.dtype}, TF's is {theirs.dtype}"
         np.testing.assert_allclose(ours, theirs, rtol=rtol, atol=atol, err_msg=what)
 
