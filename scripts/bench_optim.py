@@ -2,7 +2,7 @@
 
     python scripts/bench_optim.py --quick
     python scripts/bench_optim.py --workload 10M --repeats 50
-    python scripts/bench_optim.py --optimizer adam rmsprop --device cuda
+    python scripts/bench_optim.py --optimizer adam rmsprop --device cuda --workload 10M 100M
 
 For every TF optimizer, up to six optimizers step copies of the same parameters
 with the same gradients: ours with ``foreach=False`` (the reference for-loop),
@@ -146,7 +146,9 @@ CASES: dict[str, Case] = {
 }
 
 # name -> (number of tensors, elements per tensor)
-WORKLOADS: dict[str, tuple[int, int]] = {"1M": (100, 10_000), "10M": (1000, 10_000)}
+WORKLOADS: dict[str, tuple[int, int]] = {"1M": (100, 10_000), "10M": (1000, 10_000), "100M": (1000, 100_000)}
+# The default workloads (100M is for a GPU: on a CPU one step takes seconds).
+DEFAULT_WORKLOADS = ["1M", "10M"]
 # The target of the issue: each foreach path within this factor of torch's.
 TARGET = 1.2
 
@@ -293,7 +295,7 @@ def format_table(rows: list[Row]) -> str:
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--optimizer", nargs="+", choices=list(CASES), default=list(CASES))
-    parser.add_argument("--workload", nargs="+", choices=list(WORKLOADS), default=list(WORKLOADS))
+    parser.add_argument("--workload", nargs="+", choices=list(WORKLOADS), default=DEFAULT_WORKLOADS)
     parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     parser.add_argument("--repeats", type=int, default=30, help="timed steps per optimizer")
     parser.add_argument("--warmup", type=int, default=5, help="untimed steps first")
