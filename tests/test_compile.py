@@ -92,3 +92,30 @@ def test_compiled_train_step_matches_eager(spec: OptimSpec, cid: str):
     for c, e in zip(compiled_params, eager_params, strict=True):
         assert torch.equal(c, e)
     assert 1 <= backend.graphs <= 4
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize(("spec", "cid"), DEFAULT_CONFIGS, ids=DEFAULT_IDS)
+def test_compiled_step_on_cuda_under_eager_roundings_is_bitwise_eager(spec: OptimSpec, cid: str):
+    """The Inductor options the fused kernels use on CUDA (no multiply-add contraction, rounded
+    division, subnormals kept) give a user's own compiled step eager's bits too, but Ftrl's:
+    measured over 60000 elements, 0 differ for the others (25% for GradientDescent with
+    Inductor's defaults); all of Ftrl's, with or without the options (within 1e-6, as on CPU)."""
+    from torchgrad_compat.optim._base import _triton_options
+
+    compiled_params = [p.detach().cuda().requires_grad_() for p in _params()]
+    eager_params = [p.detach().cuda().requires_grad_() for p in _params()]
+    compiled_opt, eager_opt = spec.make(compiled_params, cid), spec.make(eager_params, cid)
+    step = torch.compile(compiled_opt.step)
+    with torch._inductor.config.patch(_triton_options()):
+        for i in range(5):
+            for params in (compiled_params, eager_params):
+                for p, g in zip(params, _grads(params, i), strict=True):
+                    p.grad = g.cuda()
+            step()
+            eager_opt.step()
+    for c, e in zip(compiled_params, eager_params, strict=True):
+        if spec.name == "FtrlOptimizer":
+            torch.testing.assert_close(c, e, rtol=1e-6, atol=1e-6)
+        else:
+            assert torch.equal(c, e)
