@@ -31,6 +31,7 @@ import math
 import operator
 import struct
 import sys
+import warnings
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -1115,6 +1116,14 @@ class _FusedKernel:
         options = {"size_asserts": False}
         if self.device.type == "cuda":
             options.update(_triton_options())
+            if not _triton_rounds_as_eager(options):
+                warnings.warn(
+                    "fused=True on CUDA: this torch's Inductor has no option that turns off Triton's "
+                    "contraction of a multiply and an add into one fused multiply-add, so the fused "
+                    "update rounds once where the reference loop rounds twice (its last bits differ)",
+                    RuntimeWarning,
+                    stacklevel=2,
+                )
         compiled = torch._inductor.compile(gm, example_inputs, options=options)
         self._captured = (gm, list(example_inputs), compiled)
         return compiled
@@ -1395,6 +1404,26 @@ def _triton_options() -> dict[str, Any]:
         if name in known:
             options[name] = value
     return options
+
+
+def _triton_rounds_as_eager(options: dict[str, Any]) -> bool:
+    """Whether Inductor, under ``options``, generates Triton kernels without multiply-add
+    contraction and with division rounded to nearest, as read from its own code generator."""
+    try:
+        from torch._inductor.codegen.triton import TritonKernel, TritonOverrides
+    except ImportError:
+        return False
+
+    class _Float32(str):
+        dtype = torch.float32
+
+    meta_common = getattr(TritonKernel, "triton_meta_common", None)
+    if meta_common is None:
+        return False
+    with torch._inductor.config.patch(options):
+        no_contraction = meta_common().get("enable_fp_fusion") is False
+        division = TritonOverrides.truediv(_Float32("x"), _Float32("y"))
+    return no_contraction and "div_rn" in division
 
 
 def _recompile_limit_name() -> str:
