@@ -1389,10 +1389,13 @@ def _triton_options() -> dict[str, Any]:
     thousand launches per step, host-bound (Adam, 10M parameters in 1000
     tensors, H100: 32.9 ms a step, 15.1 ms with combo kernels).
     """
-    config = torch._inductor.config
-    options: dict[str, Any] = {"emulate_precision_casts": True, "combo_kernels": True}
-    known = config.get_config_copy()
+    # Only the options this torch has: an unknown name would fail the compile, where a release
+    # without them gets _triton_rounds_as_eager's warning instead.
+    known = torch._inductor.config.get_config_copy()
+    options: dict[str, Any] = {}
     for name, value in (
+        ("emulate_precision_casts", True),
+        ("combo_kernels", True),
         ("eager_numerics.division_rounding", True),
         ("eager_numerics.disable_ftz", True),
         ("emulate_divison_rounding", True),
