@@ -149,15 +149,20 @@ def run_case(
     return compared
 
 
+def assert_matches_tensorflow(case: dict[str, Any], mode: str, device: str = "cpu", **path: Any) -> None:
+    """Every array ``run_case`` compares has TF's dtype and is within the case's tolerance."""
+    rtol, atol = TOLERANCE[case["dtype"]]
+    for what, ours, theirs in run_case(case, mode, device, **path):
+        assert ours.dtype == theirs.dtype, f"{what}: dtype {ours.dtype}, TF's is {theirs.dtype}"
+        np.testing.assert_allclose(ours, theirs, rtol=rtol, atol=atol, err_msg=what)
+
+
 @pytest.mark.parametrize(
     ("case", "mode"),
     [pytest.param(case, mode, id=f"{case['id']}-{mode}") for case in MANIFEST for mode in MODES],
 )
 def test_matches_tensorflow(case: dict[str, Any], mode: str) -> None:
-    rtol, atol = TOLERANCE[case["dtype"]]
-    for what, ours, theirs in run_case(case, mode):
-        assert ours.dtype == theirs.dtype, f"{what}: dtype {ours.dtype}, TF's is {theirs.dtype}"
-        np.testing.assert_allclose(ours, theirs, rtol=rtol, atol=atol, err_msg=what)
+    assert_matches_tensorflow(case, mode)
 
 
 @pytest.mark.parametrize(
@@ -167,10 +172,7 @@ def test_matches_tensorflow(case: dict[str, Any], mode: str) -> None:
 def test_fused_matches_tensorflow(case: dict[str, Any], mode: str, monkeypatch) -> None:
     """The same fixtures through fused=True (chunks of 4 tensors, so that compiling stays quick)."""
     monkeypatch.setattr(optim_base, "FUSED_CHUNK", 4)
-    rtol, atol = TOLERANCE[case["dtype"]]
-    for what, ours, theirs in run_case(case, mode, fused=True):
-        assert ours.dtype == theirs.dtype, f"{what}: dtype {ours.dtype}, TF's is {theirs.dtype}"
-        np.testing.assert_allclose(ours, theirs, rtol=rtol, atol=atol, err_msg=what)
+    assert_matches_tensorflow(case, mode, fused=True)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
@@ -182,10 +184,7 @@ def test_fused_matches_tensorflow(case: dict[str, Any], mode: str, monkeypatch) 
 def test_cuda_matches_tensorflow(case: dict[str, Any], mode: str, path: dict[str, Any], monkeypatch) -> None:
     """The fixtures on a GPU, through the default path (foreach) and fused=True (Triton kernels)."""
     monkeypatch.setattr(optim_base, "FUSED_CHUNK", 4)
-    rtol, atol = TOLERANCE[case["dtype"]]
-    for what, ours, theirs in run_case(case, mode, "cuda", **path):
-        assert ours.dtype == theirs.dtype, f"{what}: dtype {ours.dtype}, TF's is {theirs.dtype}"
-        np.testing.assert_allclose(ours, theirs, rtol=rtol, atol=atol, err_msg=what)
+    assert_matches_tensorflow(case, mode, "cuda", **path)
 
 
 def test_fixtures_cover_every_optimizer() -> None:
