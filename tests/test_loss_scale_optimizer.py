@@ -31,6 +31,7 @@ import torch.nn.functional as F
 from _host_reads import HostReads
 from optim_specs import SPECS, OptimSpec
 from torch import Tensor, nn
+from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 import torchgrad_compat.optim as tgo
 from torchgrad_compat.amp import DynamicLossScale, FixedLossScale, LossScaleOptimizer
@@ -907,6 +908,40 @@ def test_step_refuses_a_misfit_p_grad_before_anything_changes(
     assert torch.equal(v.grad, torch.full((3,), 8.0))  # not unscaled
     assert float(opt.loss_scale()) == 8.0 and int(opt.loss_scale.good_steps) == 0
     assert torch.equal(v.detach(), torch.ones(3)) and torch.equal(w.detach(), torch.tensor([1.0, 2.0]))
+
+
+@pytest.mark.parametrize("between", ["unscale_", "step pre-hook", "global step pre-hook"])
+def test_a_gradient_replaced_after_the_check_is_checked_again(between: str) -> None:
+    """step() checks each p.grad once when the wrapped optimizer steps right after the check.
+    One replaced after unscale_() or by a step pre-hook is checked again: here with the
+    parameter's size in another shape, which the fused kernel, reading rows flattened, would
+    apply element by element. The scale and the parameter stay as they were."""
+    start = torch.tensor([[1.0, 2.0, 3.0], [4.0, 5.0, 6.0]])
+    w = nn.Parameter(start.clone())
+    inner = tgo.GradientDescentOptimizer([w], 0.5, fused=True)
+    opt = LossScaleOptimizer(inner, DynamicLossScale(8.0, 10))
+    opt.get_scaled_loss(w.sum()).backward()
+
+    def replace(optimizer: Any, *_: Any) -> None:
+        if optimizer is inner:
+            w.grad.data = torch.ones(3, 2)
+
+    handle = None
+    if between == "unscale_":
+        opt.unscale_()
+        replace(inner)
+    elif between == "step pre-hook":
+        handle = inner.register_step_pre_hook(replace)
+    else:
+        handle = register_optimizer_step_pre_hook(replace)
+    try:
+        with pytest.raises(ValueError, match=r"shape \(3, 2\) does not match variable shape \(2, 3\)"):
+            opt.step()
+    finally:
+        if handle is not None:
+            handle.remove()
+    assert float(opt.loss_scale()) == 8.0 and int(opt.loss_scale.good_steps) == 0
+    assert torch.equal(w.detach(), start)
 
 
 # ---------------------------------------------------------------------- misuse is loud

@@ -13,11 +13,13 @@ from torch import Tensor
 from ..optim._base import (
     _DEVICE_OF,
     _DTYPE_OF,
+    Optimizer,
     _called_from_dcp_init,
     _check_global_step,
     _check_grad,
     _describe,
     _grads_fit,
+    _no_step_pre_hooks,
 )
 from ..optim._wrapper import OptimizerWrapper
 from .loss_scale import LossScale, as_loss_scale, found_non_finite
@@ -268,7 +270,10 @@ class LossScaleOptimizer(OptimizerWrapper):
             return loss
         marks = self._marks
         with torch.no_grad():
-            if not marks.unscaled:
+            # Unscaled by this call (not by an earlier unscale_(), after which anything may
+            # have replaced a gradient): every p.grad was just checked against its parameter.
+            checked = not marks.unscaled
+            if checked:
                 marks.found_inf = self._unscale_grads("step")
                 marks.unscaled = True
             found_inf = marks.found_inf
@@ -277,9 +282,19 @@ class LossScaleOptimizer(OptimizerWrapper):
                     self._advance(found_inf)
                     self._step_skipping_on_device(found_inf)
                 elif self._should_apply(found_inf):
-                    self._optimizer.step()
+                    self._inner_step(checked)
             marks.updated()
         return loss
+
+    def _inner_step(self, checked: bool) -> None:
+        """The wrapped optimizer's ``step()``; one of ours skips its own check of the gradients
+        when this call has just made it (``checked``) and no step pre-hook runs in between."""
+        inner = self._optimizer
+        if checked and isinstance(inner, Optimizer) and _no_step_pre_hooks(inner):
+            with inner._gradients_checked():
+                inner.step()
+        else:
+            inner.step()
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """The wrapped optimizer's ``zero_grad``; also forgets an ``unscale_()`` not yet stepped."""
