@@ -194,16 +194,25 @@ def test_fused_functional_form_with_grad_mode_on_acts_as_the_loop():
             [40, "f64", 40], [40, 40, 40], r"gradient 1 .*float64.*gradient 0 is torch.float32", id="f64-grad"
         ),
         pytest.param([40, 40, 40], [40, 40, 10], r"slot 2 .*shape=\(10,\)", id="short-slot"),
+        pytest.param(
+            [40, (8, 5), 40],
+            [40, 40, 40],
+            r"gradient 1 .*shape=\(8, 5\).* has shape \(40,\)",
+            id="reshaped-grad",
+        ),
+        pytest.param([40, 40, 40], [40, (40, 1), 40], r"slot 1 .*shape=\(40, 1\)", id="reshaped-slot"),
         pytest.param([40, 40], [40, 40, 40], "2 gradients for 3 parameters", id="missing-grad"),
     ],
 )
 def test_fused_functional_form_refuses_rows_that_do_not_fit(grads, ms, words):
     """The kernels take each row as long as its parameter and of its list's dtype: a row that
-    differs would be read or written past its end. The functional form checks before anything moves."""
+    differs would be read or written past its end, and one of another shape, flattened, would
+    be applied where the loop refuses it. The functional form checks before anything moves."""
     from torchgrad_compat.optim.adam import adam
 
     params = [torch.ones(40) for _ in range(3)]
     gs = [torch.ones(40, dtype=torch.float64) if n == "f64" else torch.ones(n) for n in grads]
+    # (The loop refuses a row of its parameter's size in another shape: its ops do not broadcast.)
     m, v = [torch.zeros(n) for n in ms], [torch.zeros(40) for _ in range(3)]
     one = torch.tensor(1.0)
     with torch.no_grad(), pytest.raises(ValueError, match=words):
@@ -221,6 +230,108 @@ def test_fused_functional_form_refuses_rows_that_do_not_fit(grads, ms, words):
         )
     assert all(torch.equal(p, torch.ones(40)) for p in params)
     assert all(not t.any() for t in m + v)
+
+
+def test_one_tensor_under_two_hyperparameters_leaves_the_kernel_right_for_later_steps(monkeypatch):
+    """A user's 0-d tensor passed as both learning rate and momentum: dynamo would make one graph
+    input of it, and the kernel, kept for every later Momentum optimizer, would read one value
+    for both (off by up to 8.6 after three steps). Each hyperparameter stays its own input."""
+    monkeypatch.setattr(optim_base._FusedKernel, "_compiled", {})
+
+    def run(lr, momentum, **path):
+        gen = torch.Generator().manual_seed(0)
+        params = [torch.nn.Parameter(torch.randn(40, generator=gen)) for _ in range(6)]
+        opt = tgo.MomentumOptimizer(params, learning_rate=lr, momentum=momentum, **path)
+        for _ in range(3):
+            for p in params:
+                p.grad = torch.randn(40, generator=gen)
+            opt.step()
+        return torch.cat([p.detach() for p in params])
+
+    shared = torch.tensor(0.5)
+    assert torch.equal(run(shared, shared, fused=True), run(shared, shared, foreach=False))
+    assert torch.equal(run(0.01, 0.9, fused=True), run(0.01, 0.9, foreach=False))
+
+
+def test_a_fused_step_under_inference_mode_leaves_later_steps_working(monkeypatch):
+    """The tensors that fill a last chunk up are shared by every later step of the process: made
+    under inference mode, zeroing them outside it would fail."""
+    monkeypatch.setattr(optim_base, "_FUSED_FILLERS", {})
+    w = torch.nn.Parameter(torch.randn(10))
+    w.grad = torch.ones(10)
+    with torch.inference_mode():
+        tgo.GradientDescentOptimizer([w], 0.1, fused=True).step()
+    runs = []
+    for path in ({"fused": True}, {"foreach": False}):
+        params = [torch.nn.Parameter(torch.arange(10.0) + i) for i in range(3)]
+        opt = tgo.GradientDescentOptimizer(params, 0.1, **path)
+        for p in params:
+            p.grad = torch.ones(10)
+        opt.step()
+        runs.append(torch.cat([p.detach() for p in params]))
+    assert torch.equal(*runs)
+
+
+def test_slots_made_under_inference_mode_are_refused_outside_it_as_by_the_loop():
+    """The kernels write through kept aliases, which torch's check of in-place updates does not
+    see: the plan refuses inference tensors itself, before anything moves."""
+    for path in ({"fused": True}, {"foreach": False}):
+        params = [torch.nn.Parameter(torch.ones(40)) for _ in range(4)]
+        opt = tgo.AdamOptimizer(params, 0.1, **path)
+        for p in params:
+            p.grad = torch.ones(40)
+        with torch.inference_mode():
+            opt.step()
+        slots = [s for p in params for s in opt.state[p].values()]
+        before = [t.clone() for t in params + slots]
+        with pytest.raises(RuntimeError, match="[Ii]nference tensor"):
+            opt.step()
+        if "fused" in path:  # (the loop has updated a slot when torch stops it)
+            assert all(torch.equal(b, a) for b, a in zip(before, params + slots, strict=True))
+
+
+def test_each_list_is_filled_up_in_its_own_dtype():
+    """The functional form takes slots of another dtype than the parameters (the loop computes in
+    both); the kernel reads every row of a list as that list's dtype, the filling ones too (rows
+    of the parameters' dtype would be read past their end)."""
+    from torchgrad_compat.optim.adam import adam
+
+    one = torch.tensor(1.0)
+    scalars = {
+        "alpha": one * 0.1,
+        "one_minus_beta1": one * 0.1,
+        "one_minus_beta2": one * 0.001,
+        "epsilon": one * 1e-8,
+    }
+    runs = []
+    for fused in (True, False):
+        params = [torch.linspace(-1, 1, 40) for _ in range(5)]
+        m = [torch.zeros(40, dtype=torch.float64) for _ in range(5)]
+        v = [torch.zeros(40, dtype=torch.float64) for _ in range(5)]
+        with torch.no_grad():
+            adam(params, [torch.ones(40)] * 5, m, v, foreach=False, fused=fused, **scalars)
+        runs.append(params + m + v)
+        if fused:
+            for chunk in optim_base._FusedPlan._kept[m[0]].chunks:
+                for rows, like in zip(chunk.flat, (params, None, m, v), strict=True):
+                    assert all(t.dtype == like[0].dtype for t in rows)
+    assert all(torch.equal(f, r) for f, r in zip(*runs, strict=True))
+
+
+@NEEDS_CUDA
+def test_a_row_past_int32_indexing_is_updated_on_cuda():
+    """Triton kernels compiled for small sizes index in 32 bits; a parameter of more than 2**31
+    elements goes through the loop instead of being left as it was."""
+    numel = 2**31 + 8192
+    if torch.cuda.mem_get_info()[0] < 3 * 4 * numel:
+        pytest.skip("needs 26 GB of free GPU memory")
+    w = torch.nn.Parameter(torch.ones(numel, device="cuda"))
+    opt = tgo.GradientDescentOptimizer(
+        [w, torch.nn.Parameter(torch.ones(10, device="cuda"))], 0.5, fused=True
+    )
+    w.grad = torch.ones_like(w)
+    opt.step()
+    assert bool((w == 0.5).all())
 
 
 def test_fused_under_the_callers_torch_compile():

@@ -26,6 +26,7 @@ accessor; the hooks receive a dict of it and ``_apply`` writes it back.
 
 from __future__ import annotations
 
+import contextvars
 import functools
 import math
 import operator
@@ -72,6 +73,12 @@ _FUSED_GRAPH_LIMIT = 64
 _FUSED_SIZE_HINT = 4096
 # The tensors that fill up a last chunk.
 _FUSED_FILLERS: dict[tuple[torch.device, torch.dtype, int], list[list[Tensor]]] = {}
+# The largest row a fused kernel takes on a GPU: Triton kernels compiled for small sizes index
+# in int32 (less a margin for the last block's offsets); larger rows take the reference loop.
+_TRITON_ROW_LIMIT = 2**31 - 2**16
+# True while Optimizer._apply runs: every row it hands the fused kernels has its parameter's
+# shape (step() and apply_gradients check gradients; slots are made and loaded so).
+_ROWS_FIT: contextvars.ContextVar[bool] = contextvars.ContextVar("_ROWS_FIT", default=False)
 # Accepted numbers each Hyper remembers (a scheduler may produce a new lr at every step).
 _ACCEPTED_PER_HYPER = 1024
 # Chunk layouts whose scratch views an optimizer keeps (see Optimizer._scratch).
@@ -905,34 +912,40 @@ class Optimizer(torch.optim.Optimizer):
         self._create_slots(grouped, evaluated)
         state = self.state
         has_slots = type(self)._init_slots is not Optimizer._init_slots
-        for gi, (group, values) in enumerate(zip(self.param_groups, evaluated, strict=True)):
-            non_slot = self._non_slot_of(group)
-            for (device, dtype), (bucket_params, bucket_grads) in dense.get(gi, {}).items():
-                hyper = HyperScalars(values, _compute_dtype(dtype), device)
-                # The fused kernel makes one pass over the whole bucket (see pick_impl), but
-                # half-precision parameters go through float32 working copies, made a chunk
-                # at a time so that they never hold the whole bucket.
-                whole = group.get("fused") and dtype not in _HALF_DTYPES
-                spans = [(0, len(bucket_params))] if whole else _chunks(bucket_params)
-                for start, end in spans:
-                    params, grads = bucket_params[start:end], bucket_grads[start:end]
-                    slots = [state.get(p, {}) for p in params] if has_slots else [{}] * len(params)
-                    if sharded:
-                        params, grads, slots = _local_shards(params, grads, slots)
-                    with _working_precision(params, grads, slots) as (ps, gs, ss):
-                        self._apply_dense(group, ps, gs, ss, non_slot, hyper)
-            for g, p in sparse.get(gi, []):
-                if self._coalesce_sparse:
-                    g = g.coalesce()
-                    indices, grad_values = g.indices()[0], g.values()
-                else:
-                    indices, grad_values = g._indices()[0], g._values()
-                hyper = HyperScalars(values, _compute_dtype(p.dtype), p.device)
-                with _working_precision([p], [grad_values], [self.state.get(p, {})]) as (ps, gs, ss):
-                    self._apply_sparse(group, ps[0], indices, gs[0], ss[0], non_slot, hyper)
-            self._finish(group, non_slot, values)
-            group.update(non_slot)
-            self._mark_written(gi, group)
+        # (Not under the caller's torch.compile, where the rules run as the loop.)
+        rows_fit = None if torch.compiler.is_compiling() else _ROWS_FIT.set(True)
+        try:
+            for gi, (group, values) in enumerate(zip(self.param_groups, evaluated, strict=True)):
+                non_slot = self._non_slot_of(group)
+                for (device, dtype), (bucket_params, bucket_grads) in dense.get(gi, {}).items():
+                    hyper = HyperScalars(values, _compute_dtype(dtype), device)
+                    # The fused kernel makes one pass over the whole bucket (see pick_impl), but
+                    # half-precision parameters go through float32 working copies, made a chunk
+                    # at a time so that they never hold the whole bucket.
+                    whole = group.get("fused") and dtype not in _HALF_DTYPES
+                    spans = [(0, len(bucket_params))] if whole else _chunks(bucket_params)
+                    for start, end in spans:
+                        params, grads = bucket_params[start:end], bucket_grads[start:end]
+                        slots = [state.get(p, {}) for p in params] if has_slots else [{}] * len(params)
+                        if sharded:
+                            params, grads, slots = _local_shards(params, grads, slots)
+                        with _working_precision(params, grads, slots) as (ps, gs, ss):
+                            self._apply_dense(group, ps, gs, ss, non_slot, hyper)
+                for g, p in sparse.get(gi, []):
+                    if self._coalesce_sparse:
+                        g = g.coalesce()
+                        indices, grad_values = g.indices()[0], g.values()
+                    else:
+                        indices, grad_values = g._indices()[0], g._values()
+                    hyper = HyperScalars(values, _compute_dtype(p.dtype), p.device)
+                    with _working_precision([p], [grad_values], [self.state.get(p, {})]) as (ps, gs, ss):
+                        self._apply_sparse(group, ps[0], indices, gs[0], ss[0], non_slot, hyper)
+                self._finish(group, non_slot, values)
+                group.update(non_slot)
+                self._mark_written(gi, group)
+        finally:
+            if rows_fit is not None:
+                _ROWS_FIT.reset(rows_fit)
 
 
 def _no_step_pre_hooks(optimizer: torch.optim.Optimizer) -> bool:
@@ -1075,13 +1088,28 @@ def _run_fused(single: Callable[..., None], *lists: list[Tensor], **scalars: Any
         single(*[[lst[i] for i in plan.loop_rows] if lst else [] for lst in lists], **scalars)
     if not plan.chunks:
         return
+    scalars = _distinct_scalars(scalars)
     kernel = _FusedKernel.of(single, lists, scalars)
-    if plan.has_fillers:
-        # Earlier calls moved them: every call sees the same values.
-        torch._foreach_zero_(plan.fillers)
-    grads = lists[1]
-    for chunk in plan.chunks:
-        kernel(chunk, grads, scalars)
+    plan.call(kernel, lists[1], scalars)
+
+
+def _distinct_scalars(scalars: dict[str, Any]) -> dict[str, Any]:
+    """``scalars`` with no tensor under two names (the later ones cloned).
+
+    Dynamo makes one graph input of a tensor that two arguments share (a user's
+    0-d tensor passed as both ``learning_rate`` and ``momentum``); the kernel,
+    kept for every later step and optimizer of its rule, would then read one
+    value for both.
+    """
+    seen: set[int] = set()
+    distinct: dict[str, Any] | None = None
+    for name, value in scalars.items():
+        if isinstance(value, Tensor):
+            if id(value) in seen:
+                distinct = distinct or dict(scalars)
+                distinct[name] = value.clone()
+            seen.add(id(value))
+    return scalars if distinct is None else distinct
 
 
 class _FusedKernel:
@@ -1212,6 +1240,8 @@ def _placeholder_layout(
         return None
     rows = {id(t): (j, i) for j, lst in enumerate(lists) for i, t in enumerate(lst)}
     names = {id(v): name for name, v in scalars.items() if isinstance(v, Tensor)}
+    if len(names) != sum(isinstance(v, Tensor) for v in scalars.values()):
+        return None  # a tensor under two names is one input (see _distinct_scalars)
     size_row: dict[Any, int] = {}
     for node, value in zip(placeholders, inputs, strict=True):
         fake = node.meta.get("example_value")
@@ -1315,13 +1345,15 @@ class _FusedPlan:
         self.single, self.signature, self.chunk_size = single, signature, FUSED_CHUNK
         params = lists[0]
         contiguous = zip(*signature[2], strict=True)  # per row, of each non-empty list
-        fits = [p.numel() >= 2 and all(c) for p, c in zip(params, contiguous, strict=True)]
+        # Triton indexes in 32 bits for the sizes the kernels are compiled for; Inductor guards
+        # that, but the direct calls skip its guards, so larger rows take the loop.
+        largest = _TRITON_ROW_LIMIT if params[0].device.type != "cpu" else math.inf
+        fits = [2 <= p.numel() <= largest and all(c) for p, c in zip(params, contiguous, strict=True)]
         self.loop_rows = [i for i, f in enumerate(fits) if not f]
         kernel_rows = [i for i, f in enumerate(fits) if f]
         # The last chunk is filled up with kept tensors, one list of them per non-empty list.
-        used = [j for j, lst in enumerate(lists) if lst]
         missing = -len(kernel_rows) % FUSED_CHUNK
-        fill = dict(zip(used, [f[:missing] for f in _filler(params[0], len(used))], strict=True))
+        fill = _fillers_by_list(lists, missing)
         self.fillers = [t for f in fill.values() for t in f]
         self.has_fillers = bool(missing)
         self.chunks: list[_FusedChunk] = []
@@ -1335,6 +1367,14 @@ class _FusedPlan:
             ]
             self.chunks.append(_FusedChunk(rows, flat, fill[1] if last else []))
 
+    def call(self, kernel: _FusedKernel, grads: list[Tensor], scalars: dict[str, Any]) -> None:
+        """Run ``kernel`` over every chunk: one step of the update for the kernel's rows."""
+        if self.has_fillers:
+            # Earlier calls moved them: every call sees the same values.
+            torch._foreach_zero_(self.fillers)
+        for chunk in self.chunks:
+            kernel(chunk, grads, scalars)
+
     @classmethod
     def of(cls, single: Callable[..., None], lists: tuple[list[Tensor], ...]) -> _FusedPlan:
         """The kept plan for ``lists`` if it still holds, else a new one (kept in its place)."""
@@ -1344,11 +1384,18 @@ class _FusedPlan:
             [list(map(Tensor.data_ptr, lst)) for lst in kept],
             [list(map(Tensor.numel, lst)) for lst in kept],
             [list(map(Tensor.is_contiguous, lst)) for lst in lists if lst],
+            torch.is_inference_mode_enabled(),
         )
         # The kernels read and write each row as its parameter's size and its list's dtype: a
         # row that differs would be read past its end. Gradients are new at every step; their
         # devices are left to the optimizers, which check every gradient against its parameter.
         _check_rows_fit("gradient", lists[1], signature[1][0], every_step=True)
+        if not _ROWS_FIT.get():
+            # Called as a functional form: rows are flattened, so one of its parameter's size
+            # in another shape would be applied where the loop refuses it.
+            for lst in lists[2:]:
+                _check_rows_fit("slot", lst, signature[1][0])
+            _check_row_shapes(lists)
         key = next((lst[0] for lst in lists[2:] if lst), lists[0][0])
         plan = cls._kept.get(key)
         if (
@@ -1360,8 +1407,36 @@ class _FusedPlan:
             _check_rows_fit("parameter", lists[0], signature[1][0])
             for lst in lists[2:]:
                 _check_rows_fit("slot", lst, signature[1][0])
+            if not signature[3]:
+                _refuse_inference_rows(lists)
             plan = cls._kept[key] = cls(single, lists, signature)
         return plan
+
+
+def _check_row_shapes(lists: tuple[list[Tensor], ...]) -> None:
+    """Every gradient and slot has its parameter's shape, as the reference loop's ops require."""
+    shapes = list(map(_SHAPE_OF, lists[0]))
+    for j, lst in enumerate(lists[1:], start=1):
+        if lst and list(map(_SHAPE_OF, lst)) != shapes:
+            what = "gradient" if j == 1 else "slot"
+            i = next(i for i, (t, shape) in enumerate(zip(lst, shapes, strict=True)) if t.shape != shape)
+            raise ValueError(
+                f"fused update: {what} {i} ({_describe(lst[i])}) does not fit: its parameter has "
+                f"shape {tuple(shapes[i])}"
+            )
+
+
+def _refuse_inference_rows(lists: tuple[list[Tensor], ...]) -> None:
+    """Refuse, as the loop's in-place ops do, parameters or slots made under ``torch.inference_mode()``
+    when updating outside it (the kernels write through the plan's aliases, unchecked)."""
+    for j, lst in enumerate(lists):
+        if j != 1 and any(map(Tensor.is_inference, lst)):
+            i = next(i for i, t in enumerate(lst) if t.is_inference())
+            what = "parameter" if j == 0 else "slot"
+            raise RuntimeError(
+                f"fused update: {what} {i} is an inference tensor (made under torch.inference_mode()); "
+                "it cannot be updated in place outside inference mode. Make a clone of it first"
+            )
 
 
 def _check_rows_fit(what: str, rows: list[Tensor], numels: list[int], every_step: bool = False) -> None:
@@ -1390,6 +1465,7 @@ def _check_rows_fit(what: str, rows: list[Tensor], numels: list[int], every_step
 
 
 _DTYPE_OF = operator.attrgetter("dtype")
+_SHAPE_OF = operator.attrgetter("shape")
 _DEVICE_OF = operator.attrgetter("device")
 _LAYOUT_OF = operator.attrgetter("layout")
 
@@ -1461,15 +1537,32 @@ def _filler(like: Tensor, count: int) -> list[list[Tensor]]:
     """``count`` lists of ``FUSED_CHUNK`` two-element tensors on ``like``'s device and dtype.
 
     Each has storage of its own: inputs that alias one another would make the
-    compiled graph depend on how many of them a call takes.
+    compiled graph depend on how many of them a call takes. They are made
+    outside inference mode, whatever the caller's, since every later step
+    zeroes them in place.
     """
-    key = (like.device, like.dtype, count)
+    key = (like.device, like.dtype, count, FUSED_CHUNK)
     if key not in _FUSED_FILLERS:
-        _FUSED_FILLERS[key] = [
-            [torch.zeros(2, dtype=like.dtype, device=like.device) for _ in range(FUSED_CHUNK)]
-            for _ in range(count)
-        ]
+        with torch.inference_mode(False):
+            _FUSED_FILLERS[key] = [
+                [torch.zeros(2, dtype=like.dtype, device=like.device) for _ in range(FUSED_CHUNK)]
+                for _ in range(count)
+            ]
     return _FUSED_FILLERS[key]
+
+
+def _fillers_by_list(lists: tuple[list[Tensor], ...], missing: int) -> dict[int, list[Tensor]]:
+    """``missing`` fillers for each non-empty list, in that list's dtype (the kernel reads each
+    list's rows as its dtype), none shared between two lists."""
+    by_dtype: dict[torch.dtype, list[int]] = {}
+    for j, lst in enumerate(lists):
+        if lst:
+            by_dtype.setdefault(lst[0].dtype, []).append(j)
+    fill: dict[int, list[Tensor]] = {}
+    for indices in by_dtype.values():
+        made = _filler(lists[indices[0]][0], len(indices))
+        fill.update((j, f[:missing]) for j, f in zip(indices, made, strict=True))
+    return fill
 
 
 def _views_of(flat: Tensor, like: list[Tensor]) -> list[Tensor]:
