@@ -76,6 +76,8 @@ _FUSED_FILLERS: dict[tuple[torch.device, torch.dtype, int], list[list[Tensor]]] 
 # The largest row a fused kernel takes on a GPU: Triton kernels compiled for small sizes index
 # in int32 (less a margin for the last block's offsets); larger rows take the reference loop.
 _TRITON_ROW_LIMIT = 2**31 - 2**16
+# CUDA graphs a fused plan keeps, one per set of gradient addresses (see _FusedPlan.step_graph).
+_GRAPHS_PER_PLAN = 4
 # True while Optimizer._apply runs: every row it hands the fused kernels has its parameter's
 # shape (step() and apply_gradients check gradients; slots are made and loaded so).
 _ROWS_FIT: contextvars.ContextVar[bool] = contextvars.ContextVar("_ROWS_FIT", default=False)
@@ -1073,7 +1075,8 @@ def _run_fused(single: Callable[..., None], *lists: list[Tensor], **scalars: Any
     itself. Inside a caller's own ``torch.compile`` the loop is traced into
     the caller's graph instead, and with grad mode on it runs as it is. How
     the tensors are split and flattened is kept between steps (see
-    :class:`_FusedPlan`).
+    :class:`_FusedPlan`). On CUDA, a step's kernel calls are replayed as one
+    CUDA graph while the gradients stay where they were (see :class:`_StepGraph`).
     """
     if torch.compiler.is_compiling() or torch.is_grad_enabled():
         # The kernels are compiled for no_grad (as optimizers step). With grad mode on, the
@@ -1090,7 +1093,13 @@ def _run_fused(single: Callable[..., None], *lists: list[Tensor], **scalars: Any
         return
     scalars = _distinct_scalars(scalars)
     kernel = _FusedKernel.of(single, lists, scalars)
-    plan.call(kernel, lists[1], scalars)
+    grads = lists[1]
+    if plan.on_cuda and kernel.direct is not None:
+        graph = plan.step_graph(kernel, grads, scalars)
+        if graph is not None:
+            graph.replay(scalars)
+            return
+    plan.call(kernel, grads, scalars)
 
 
 def _distinct_scalars(scalars: dict[str, Any]) -> dict[str, Any]:
@@ -1366,6 +1375,11 @@ class _FusedPlan:
                 for j, lst in enumerate(lists)
             ]
             self.chunks.append(_FusedChunk(rows, flat, fill[1] if last else []))
+        self.on_cuda = params[0].device.type == "cuda"
+        self.graphs: list[_StepGraph] = []  # the latest first
+        # The gradients' addresses at the last steps that replayed no graph, the latest first.
+        self._recent: list[list[int]] = []
+        self._capture_failed = False
 
     def call(self, kernel: _FusedKernel, grads: list[Tensor], scalars: dict[str, Any]) -> None:
         """Run ``kernel`` over every chunk: one step of the update for the kernel's rows."""
@@ -1374,6 +1388,44 @@ class _FusedPlan:
             torch._foreach_zero_(self.fillers)
         for chunk in self.chunks:
             kernel(chunk, grads, scalars)
+
+    def step_graph(
+        self, kernel: _FusedKernel, grads: list[Tensor], scalars: dict[str, Any]
+    ) -> _StepGraph | None:
+        """The CUDA graph of :meth:`call` for gradients at these addresses, or None (call the kernels).
+
+        A graph is captured at a step whose gradients are where they were at one
+        of the last few steps that replayed none: the caching allocator hands a
+        training loop's gradients the same memory from step to step, or a few
+        sets of it in turn (state that an optimizer replaces at every step
+        moves the small allocations around). A plan keeps the last
+        ``_GRAPHS_PER_PLAN`` graphs. One that cannot be captured here is not
+        tried again for this plan.
+        """
+        if self._capture_failed or torch.cuda.is_current_stream_capturing():
+            return None
+        addresses = list(map(Tensor.data_ptr, grads))
+        for graph in self.graphs:
+            if graph.kernel is kernel and graph.addresses == addresses:
+                return graph
+        if addresses not in self._recent:
+            self._recent = [addresses, *self._recent[: _GRAPHS_PER_PLAN - 1]]
+            return None
+        self._recent.remove(addresses)
+        try:
+            graph = _StepGraph(self, kernel, grads, scalars, addresses)
+        except Exception as error:  # a capture refused on this device or driver: the kernels still work
+            self._capture_failed = True
+            self.graphs = []
+            warnings.warn(
+                f"fused=True on CUDA: the step could not be captured as a CUDA graph ({error}); "
+                "the kernels are launched one call at a time, with the same numbers and more host time",
+                RuntimeWarning,
+                stacklevel=2,
+            )
+            return None
+        self.graphs = [graph, *self.graphs[: _GRAPHS_PER_PLAN - 1]]
+        return graph
 
     @classmethod
     def of(cls, single: Callable[..., None], lists: tuple[list[Tensor], ...]) -> _FusedPlan:
@@ -1411,6 +1463,56 @@ class _FusedPlan:
                 _refuse_inference_rows(lists)
             plan = cls._kept[key] = cls(single, lists, signature)
         return plan
+
+
+class _StepGraph:
+    """A plan's kernel calls for one step on CUDA, captured as one CUDA graph and replayed at later steps.
+
+    On a GPU the fused step is bound by the host: 63 calls a step for 1000
+    tensors, each through Inductor's launcher. A replay is one launch. What the
+    captured kernels read and write is fixed by address: the parameters,
+    slots and fillers the plan holds (a plan holds while they stay where they
+    are), the gradients (a graph is replayed only while every gradient is at
+    the address it was captured with, and the plan checks their sizes, dtypes
+    and layout at every step), and the hyperparameters, which are copied into
+    tensors of the graph's own before each replay. The kernels are the same as
+    the direct calls', so a replay gives their numbers bit for bit.
+    """
+
+    def __init__(
+        self,
+        plan: _FusedPlan,
+        kernel: _FusedKernel,
+        grads: list[Tensor],
+        scalars: dict[str, Any],
+        addresses: list[int],
+    ):
+        self.kernel, self.addresses = kernel, addresses
+        self.names = [name for name, v in scalars.items() if isinstance(v, Tensor)]
+        self.inputs = [scalars[name].clone() for name in self.names]
+        captured = {**scalars, **dict(zip(self.names, self.inputs, strict=True))}
+        # What the kernels write in place (parameters and slots): autograd's version counters.
+        self.written = [t for chunk in plan.chunks for j, lst in enumerate(chunk.flat) if j != 1 for t in lst]
+        self.replays = 0
+        device = grads[0].device
+        graph = torch.cuda.CUDAGraph()
+        current = torch.cuda.current_stream(device)
+        side = torch.cuda.Stream(device)
+        side.wait_stream(current)
+        with torch.cuda.device(device), torch.cuda.stream(side):
+            graph.capture_begin(capture_error_mode="thread_local")
+            try:
+                plan.call(kernel, grads, captured)
+            finally:
+                graph.capture_end()
+        current.wait_stream(side)
+        self.graph = graph
+
+    def replay(self, scalars: dict[str, Any]) -> None:
+        torch._foreach_copy_(self.inputs, [scalars[name] for name in self.names])
+        self.graph.replay()
+        torch.autograd.graph.increment_version(self.written)
+        self.replays += 1
 
 
 def _check_row_shapes(lists: tuple[list[Tensor], ...]) -> None:
