@@ -224,20 +224,65 @@ def test_load_state_dict_rejects_what_does_not_fit(spec: OptimSpec, cid: str):
         bad_state = {0: {**good["state"][0], slot: torch.zeros(7)}}
         with pytest.raises(ValueError, match=rf"slot '{slot}'.*shape \(7,\).*\(4, 3\)"):
             fresh.load_state_dict({**good, "state": {**good["state"], **bad_state}})
-        # A checkpoint of another optimizer names the missing slot.
+        # A missing slot is named, and so is one this optimizer does not have (another
+        # optimizer's, which would be read as one of these: RMSProp's "momentum" as Momentum's).
+        with pytest.raises(ValueError, match=f"lacks slot '{slot}'"):
+            fresh.load_state_dict({**good, "state": {0: {}}})
+        unrelated = {0: {**good["state"][0], "unrelated": torch.zeros(4, 3)}}
+        with pytest.raises(ValueError, match=r"holds \['unrelated'\], which are not slots"):
+            fresh.load_state_dict({**good, "state": unrelated})
+        # A checkpoint of another optimizer is refused, whatever it lacks or holds.
         other = tgo.GradientDescentOptimizer if spec.name != "GradientDescentOptimizer" else tgo.AdamOptimizer
         other_params = _params()
         other_opt = other(other_params, learning_rate=0.1)
         other_opt.apply_gradients(zip(_grads(other_params, 0), other_params))
-        foreign = {**other_opt.state_dict(), "state": {0: {"unrelated": torch.zeros(4, 3)}}}
-        with pytest.raises(ValueError, match=f"lacks slot '{slot}'"):
-            fresh.load_state_dict(foreign)
+        with pytest.raises(ValueError, match="was it saved from another optimizer"):
+            fresh.load_state_dict(other_opt.state_dict())
     if spec.non_slot:
         lacking = [{k: v for k, v in good["param_groups"][0].items() if k != spec.non_slot[0]}]
         with pytest.raises(ValueError, match=f"lacks the non-slot state.*{spec.non_slot[0]}"):
             fresh.load_state_dict({**good, "param_groups": lacking})
     _assert_bitwise(_state_tensors(fresh), [(k, v) for k, v in _state_tensors(fresh)])
     assert fresh.state_dict()["state"] == before["state"]  # nothing was loaded half-way
+
+
+@pytest.mark.parametrize(
+    ("tamper", "exception", "words"),
+    [
+        ("missing hyperparameter", ValueError, r"lacks the hyperparameters \['beta1'\]"),
+        ("sparse slot", TypeError, r"slot 'm' of parameter 1 must be a dense \(strided\) tensor"),
+        ("expanded slot", ValueError, r"slot 'm' of parameter 1 is an expanded view"),
+        (
+            "one tensor as two slots",
+            ValueError,
+            r"slot 'm' of parameter 1 and slot 'v' of parameter 1 share memory",
+        ),
+    ],
+)
+def test_load_state_dict_refuses_state_a_step_could_not_use(tamper: str, exception: type, words: str):
+    """Each of these loaded, and the next step raised halfway through (a parameter already moved)
+    or found no beta1; now the load refuses it, changes nothing, and the optimizer steps on."""
+    params = [torch.nn.Parameter(torch.ones(3)), torch.nn.Parameter(torch.ones(4))]
+    opt = tgo.AdamOptimizer(params, 0.1, foreach=False)
+    for p in params:
+        p.grad = torch.ones_like(p)
+    opt.step()
+    saved = copy.deepcopy(opt.state_dict())
+    if tamper == "missing hyperparameter":
+        del saved["param_groups"][0]["beta1"]
+    elif tamper == "sparse slot":
+        saved["state"][1]["m"] = saved["state"][1]["m"].to_sparse()
+    elif tamper == "expanded slot":
+        saved["state"][1]["m"] = torch.zeros(1).expand(4)
+    else:
+        saved["state"][1]["v"] = saved["state"][1]["m"]
+    before = [(k, v.clone()) for k, v in _state_tensors(opt)]
+    groups = [{k: v for k, v in g.items() if k != "params"} for g in opt.param_groups]
+    with pytest.raises(exception, match=words):
+        opt.load_state_dict(saved)
+    _assert_bitwise(_state_tensors(opt), before)
+    assert [{k: v for k, v in g.items() if k != "params"} for g in opt.param_groups] == groups
+    opt.step()
 
 
 def _hyper_keys(spec: OptimSpec) -> dict[str, str]:

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import contextvars
 import functools
+import itertools
 import math
 import operator
 import struct
@@ -692,15 +693,32 @@ class Optimizer(torch.optim.Optimizer):
                     "loaded state dict contains a parameter group that doesn't match the size "
                     "of optimizer's group"
                 )
+            missing = [spec.key for spec in self._hypers if isinstance(spec, Hyper) and spec.key not in saved]
+            if missing:
+                # torch's load would replace the group, and the step would look for them in vain.
+                raise ValueError(
+                    f"{cls}: loaded param group {i} lacks the hyperparameters {missing} "
+                    f"(it holds {sorted(k for k in saved if k != 'params')}); "
+                    "was it saved from another optimizer?"
+                )
             merged = {**group, **{k: v for k, v in saved.items() if k != "params"}}
             _check_group_values(merged, self._hypers, {p.dtype for p in group["params"]})
             for pid, p in zip(saved["params"], group["params"], strict=True):
                 id_to_param[pid] = (p, merged)
+        loaded: list[tuple[str, Tensor]] = []
         for pid, slots in state_dict["state"].items():
             if pid not in id_to_param:
                 raise ValueError(f"loaded state dict holds state for an unknown parameter id {pid!r}")
             p, group = id_to_param[pid]
-            for slot in self._slot_names_for(group):
+            expected = self._slot_names_for(group)
+            extra = sorted(set(slots) - set(expected))
+            if extra:
+                # Another optimizer's slots (RMSProp's "momentum" read as Momentum's) give wrong numbers.
+                raise ValueError(
+                    f"{cls}: loaded state of parameter {pid} holds {extra}, which are not slots of "
+                    f"this optimizer (its slots: {list(expected)}); was it saved from another optimizer?"
+                )
+            for slot in expected:
                 if slot not in slots:
                     raise ValueError(
                         f"{cls}: loaded state of parameter {pid} lacks slot {slot!r} "
@@ -717,6 +735,13 @@ class Optimizer(torch.optim.Optimizer):
                         f"{cls}: loaded slot {slot!r} of parameter {pid} has shape "
                         f"{tuple(value.shape)}, expected the parameter's shape {tuple(p.shape)}"
                     )
+                if value.layout != torch.strided:
+                    raise TypeError(
+                        f"{cls}: loaded slot {slot!r} of parameter {pid} must be a dense (strided) "
+                        f"tensor, got layout {value.layout}"
+                    )
+                loaded.append((f"slot {slot!r} of parameter {pid}", value))
+        _check_no_shared_elements(cls, loaded)
         for i, (saved, group) in enumerate(zip(saved_groups, self.param_groups, strict=True)):
             missing = [key for key in self._non_slot_keys if key not in saved]
             if missing:
@@ -1539,6 +1564,31 @@ def _refuse_inference_rows(lists: tuple[list[Tensor], ...]) -> None:
                 f"fused update: {what} {i} is an inference tensor (made under torch.inference_mode()); "
                 "it cannot be updated in place outside inference mode. Make a clone of it first"
             )
+
+
+def _check_no_shared_elements(cls: str, slots: list[tuple[str, Tensor]]) -> None:
+    """Refuse loaded slots that share memory, within one (an expanded view) or with another:
+    the update writes each element once, and torch refuses the in-place ops halfway through."""
+    spans: dict[int, list[tuple[int, int, str]]] = {}
+    for name, t in slots:
+        if isinstance(t, DTensor):
+            t = t.to_local()  # each rank's shard is its own memory
+        if t.is_meta or t.numel() == 0:
+            continue
+        if any(stride == 0 and size > 1 for stride, size in zip(t.stride(), t.shape, strict=True)):
+            raise ValueError(
+                f"{cls}: loaded {name} is an expanded view (strides {t.stride()}): its elements share "
+                "memory; pass a contiguous copy"
+            )
+        itemsize = t.element_size()
+        start = t.storage_offset() * itemsize
+        end = start + (1 + sum((n - 1) * st for n, st in zip(t.shape, t.stride(), strict=True))) * itemsize
+        spans.setdefault(t.untyped_storage().data_ptr(), []).append((start, end, name))
+    for ranges in spans.values():
+        ranges.sort()
+        for (_, end, first), (start, _, second) in itertools.pairwise(ranges):
+            if start < end:
+                raise ValueError(f"{cls}: loaded {first} and {second} share memory; each slot needs its own")
 
 
 def _check_rows_fit(what: str, rows: list[Tensor], numels: list[int], every_step: bool = False) -> None:
