@@ -291,6 +291,8 @@ BAD_STATES = [
     ({"current_loss_scale": torch.tensor(NAN)}, ValueError, "current_loss_scale"),
     ({"current_loss_scale": torch.tensor(0.0)}, ValueError, "current_loss_scale"),
     ({"current_loss_scale": torch.tensor(8)}, ValueError, "current_loss_scale"),
+    # Positive in float64, 0 in float32, the scale's dtype: every later step would be NaN.
+    ({"current_loss_scale": torch.tensor(1e-50, dtype=torch.float64)}, ValueError, "in float32"),
     ({"good_steps": torch.tensor(1.0)}, ValueError, "good_steps"),
     ({"good_steps": torch.tensor(-1)}, ValueError, "good_steps"),
     ({"increment_period": 0}, ValueError, "increment_period"),

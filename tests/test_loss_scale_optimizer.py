@@ -508,6 +508,63 @@ def test_unscale_then_clip() -> None:
     assert float(opt.loss_scale()) == 32.0
 
 
+@pytest.mark.parametrize("cleared_by", [None, "model.zero_grad()"])
+def test_a_scaled_backward_after_unscale_is_refused_by_step(cleared_by: str | None) -> None:
+    """unscale_(), then another scaled backward pass (accumulating, or after a skipped step whose
+    gradients model.zero_grad() cleared): step() would apply those scaled gradients undivided
+    (GradientDescent lr 1 at scale 1024 moved w to -1025 instead of -2). It refuses, nothing
+    changes, and after opt.zero_grad() the next step is the usual one."""
+    w = nn.Parameter(torch.zeros(()))
+    opt = LossScaleOptimizer(tgo.GradientDescentOptimizer([w], 1.0), DynamicLossScale(1024.0, 10))
+    opt.get_scaled_loss(w + 1).backward()
+    opt.unscale_()
+    if cleared_by:
+        w.grad = None
+    opt.get_scaled_loss(w + 1).backward()
+    with pytest.raises(RuntimeError, match="came after unscale_"):
+        opt.step()
+    assert float(w) == 0.0 and float(opt.loss_scale()) == 1024.0
+    opt.zero_grad()
+    opt.get_scaled_loss(w + 1).backward()
+    opt.step()
+    assert float(w) == -1.0
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_a_gradient_that_overflows_once_unscaled_skips_the_step(dtype: torch.dtype) -> None:
+    """With a scale below 1, dividing by it multiplies: a finite scaled gradient can overflow.
+    TF judges the unscaled gradients, so the step is skipped and the scale backs off to its floor
+    of 1, in both driving styles (torch's check-and-unscale kernel looks before it multiplies)."""
+    # d loss / dp: 1e40 (float32 max 3.4e38), or 120000 (float16 max 65504); finite when scaled.
+    scale, (a, b) = (1e-10, (1e20, 1e20)) if dtype == torch.float32 else (0.5, (60000.0, 2.0))
+    results = []
+    for style in ("step", "minimize"):
+        p = nn.Parameter(torch.ones((), dtype=dtype))
+        opt = LossScaleOptimizer(tgo.GradientDescentOptimizer([p], 0.5), DynamicLossScale(scale, 10))
+        loss = lambda p=p: (p * a) * b  # noqa: E731
+        if style == "step":
+            opt.get_scaled_loss(loss()).backward()
+            opt.step()
+        else:
+            opt.minimize(loss, var_list=[p])
+        results.append((float(p), float(opt.loss_scale())))
+    assert results == [(1.0, 1.0), (1.0, 1.0)]
+
+
+def test_complex_gradients_are_unscaled_through_their_real_view() -> None:
+    """torch optimizers take complex parameters; torch's unscale kernel takes real dtypes only,
+    and it used to raise after the real gradients had been divided (again at each retry)."""
+    a, z = nn.Parameter(torch.tensor([1.0, 2.0])), nn.Parameter(torch.tensor([1 + 1j, 2 - 1j]))
+    ca, cz = nn.Parameter(a.detach().clone()), nn.Parameter(z.detach().clone())
+    opt = LossScaleOptimizer(torch.optim.SGD([a, z], lr=0.1), DynamicLossScale(8.0, 100))
+    control = torch.optim.SGD([ca, cz], lr=0.1)
+    opt.get_scaled_loss((a**2).sum() + (z * z.conj()).real.sum()).backward()
+    opt.step()
+    ((ca**2).sum() + (cz * cz.conj()).real.sum()).backward()
+    control.step()
+    assert torch.equal(a, ca) and torch.equal(z, cz)
+
+
 @pytest.mark.parametrize(
     ("scale", "values", "applied"),
     [

@@ -43,6 +43,9 @@ class LossScale(abc.ABC):
 
     # Whether update() needs to look at the gradients; FixedLossScale does not (TF).
     checks_gradients: ClassVar[bool] = True
+    # Whether the scale may be below 1 (so that unscaling multiplies by more than 1). Known on
+    # the host without reading the scale: a dynamic scale below 1 only grows or backs off to 1.
+    may_be_below_one: bool = False
 
     def __init__(self, scale: float):
         self._scale = torch.tensor(scale, dtype=torch.float32)
@@ -196,6 +199,7 @@ class DynamicLossScale(LossScale):
             initial_loss_scale, increment_period, multiplier
         )
         super().__init__(initial_loss_scale)
+        self.may_be_below_one = _float32(initial_loss_scale) < 1.0
         self._initial_loss_scale = initial_loss_scale
         self._increment_period = increment_period
         self._multiplier_value = multiplier
@@ -268,9 +272,11 @@ class DynamicLossScale(LossScale):
         )
         scale = _checked_state_tensor("current_loss_scale", state_dict["current_loss_scale"], floating=True)
         good_steps = _checked_state_tensor("good_steps", state_dict["good_steps"], floating=False)
-        if not (0 < float(scale) <= _FLOAT32_MAX):
+        scale32 = float(scale.to(torch.float32))
+        if not (0 < scale32 <= _FLOAT32_MAX):
             raise ValueError(
-                f"Invalid current_loss_scale value: {float(scale)!r}; expected a finite value > 0"
+                f"Invalid current_loss_scale value: {float(scale)!r}; expected a finite value > 0 "
+                "in float32 (the scale's dtype)"
             )
         if int(good_steps) < 0:
             raise ValueError(f"Invalid good_steps value: {int(good_steps)}; expected a value >= 0")
@@ -278,6 +284,7 @@ class DynamicLossScale(LossScale):
         self._multiplier.fill_(self._multiplier_value)
         self._scale.copy_(scale)
         self._good_steps.copy_(good_steps)
+        self.may_be_below_one = scale32 < 1.0
 
     def __repr__(self) -> str:
         return (

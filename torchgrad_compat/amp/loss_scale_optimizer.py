@@ -269,6 +269,7 @@ class LossScaleOptimizer(OptimizerWrapper):
             self._optimizer.step()
             return loss
         marks = self._marks
+        marks.check_no_backward_after_unscale()
         with torch.no_grad():
             # Unscaled by this call (not by an earlier unscale_(), after which anything may
             # have replaced a gradient): every p.grad was just checked against its parameter.
@@ -329,7 +330,8 @@ class LossScaleOptimizer(OptimizerWrapper):
         summed_later: list[Tensor] = []
         # (`map` over the list: 0.16 ms per 1000 gradients, against 0.24 ms for a comparison
         # per gradient.)
-        if usual and len(dtypes := set(map(_DTYPE_OF, grads))) == 1 and len(set(map(_DEVICE_OF, grads))) == 1:
+        dtypes = set(map(_DTYPE_OF, grads))
+        if usual and len(dtypes) == 1 and len(set(map(_DEVICE_OF, grads))) == 1 and not grads[0].is_complex():
             by_device[grads[0].device] = {dtypes.pop(): grads}
         else:
             for g in grads:
@@ -337,6 +339,9 @@ class LossScaleOptimizer(OptimizerWrapper):
                     if g.dtype == torch.float16 and not g.is_coalesced():
                         summed_later.append(g)
                     g = g._values()
+                if g.is_complex():
+                    # torch's kernel takes real dtypes: the real view is the same memory.
+                    g = torch.view_as_real(g)
                 by_device.setdefault(g.device, {}).setdefault(g.dtype, []).append(g)
         found_inf = torch.zeros(1, dtype=torch.float32, device=device)
         for grad_device, by_dtype in by_device.items():
@@ -350,6 +355,10 @@ class LossScaleOptimizer(OptimizerWrapper):
         if summed_later:
             # Checked after unscaling: only rows whose unscaled sum overflows float16 skip the step.
             found_inf = torch.maximum(found_inf, found_non_finite(summed_later, device))
+        if self._loss_scale.may_be_below_one:
+            # The kernel checks before it multiplies; by 1/scale > 1 a finite gradient can overflow,
+            # and TF judges the unscaled gradients. (Never the case once the scale is >= 1.)
+            found_inf = torch.maximum(found_inf, found_non_finite(grads, device))
         return found_inf if self._loss_scale.checks_gradients else None
 
     def _check_grads(self, params: list[Tensor]) -> None:
@@ -539,7 +548,7 @@ class _StepMarks:
     ``step()`` through the optimizer agree.
     """
 
-    __slots__ = ("found_inf", "scaled_backward", "stepped", "unscaled")
+    __slots__ = ("backward_after_unscale", "found_inf", "scaled_backward", "stepped", "unscaled")
 
     def __init__(self) -> None:
         self.clear()
@@ -550,6 +559,7 @@ class _StepMarks:
         self.stepped = False  # an update used the gradients since the last zero_grad()
         self.unscaled = False  # unscale_() (or a step() that raised) divided p.grad by the scale
         self.found_inf: Tensor | None = None  # then: its non-finite flag
+        self.backward_after_unscale = False  # and a scaled backward pass came after it
 
     def updated(self) -> None:
         """An update used the gradients: the next one needs a new scaled backward pass."""
@@ -559,6 +569,23 @@ class _StepMarks:
     def record_scaled_backward(self, grad: Tensor) -> None:
         """The tensor hook on ``get_scaled_loss``'s result: a backward pass went through it."""
         self.scaled_backward = True
+        if self.unscaled:
+            self.backward_after_unscale = True
+
+    def check_no_backward_after_unscale(self) -> None:
+        """Refuse to step on gradients a scaled backward pass reached after ``unscale_()``.
+
+        They are scaled (added to the unscaled ones, unless something such as
+        ``model.zero_grad()`` cleared those), and ``step()`` would apply them
+        as they are, multiplied by the scale.
+        """
+        if self.unscaled and self.backward_after_unscale:
+            raise RuntimeError(
+                "LossScaleOptimizer.step(): a backward pass through opt.get_scaled_loss(loss) came "
+                "after unscale_(), so p.grad holds scaled gradients that step() would not divide by "
+                "the scale. Call opt.zero_grad() (which also forgets unscale_()) before the next "
+                "backward pass, or call unscale_() after the last one"
+            )
 
     def check_scaled_backward(self, caller: str) -> None:
         """Refuse to unscale gradients that no backward pass through ``get_scaled_loss`` produced."""
