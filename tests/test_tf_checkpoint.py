@@ -48,6 +48,7 @@ from torchgrad_compat.checkpoint import (
 
 # Where the optimizers keep optimizer-wide state (Adam's beta powers) is the package's business;
 # the tests read it through the checkpoint module's one accessor, as the code under test does.
+from torchgrad_compat.checkpoint._bundle import write_bundle
 from torchgrad_compat.checkpoint._tf_checkpoint import _optimizer_wide_state
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -820,6 +821,93 @@ def test_a_corrupt_piece_raises(tmp_path: Path) -> None:
     with pytest.raises(CorruptCheckpointError, match="CRC32C mismatch in tensor"):
         load_tf_checkpoint(folder / "model.ckpt", {"emb": emb, "counts": counts})
     assert not counts.any() and not emb.any()
+
+
+def test_pieces_that_overlap_are_refused() -> None:
+    """Pieces counted by their elements alone passed one piece listed twice for one left out: the
+    rows of the missing piece kept torch.empty's memory. In bounds, disjoint and complete."""
+    import dataclasses
+
+    from torchgrad_compat.checkpoint._bundle import BundleReader
+
+    with BundleReader(str(PARTITIONED)) as reader:
+        entry = reader.entries["counts"]
+        first = entry.slices[0]
+        reader.entries["counts"] = dataclasses.replace(entry, slices=(first, first))
+        with pytest.raises(CorruptCheckpointError, match="overlap"):
+            reader.verify("counts")
+        outside = ((15000, 10000), (0, 1))
+        reader._pieces["counts", outside] = reader._pieces["counts", entry.slices[1]]
+        reader.entries["counts"] = dataclasses.replace(entry, slices=(first, outside))
+        with pytest.raises(CorruptCheckpointError, match="outside its shape"):
+            reader.verify("counts")
+
+
+def _write_adam_checkpoint(path: Path, **extra: torch.Tensor) -> None:
+    write_bundle(
+        str(path),
+        {
+            "w": torch.full((3,), 7.0),
+            "w/Adam": torch.full((3,), 0.5),
+            "w/Adam_1": torch.full((3,), 0.25),
+            "beta1_power": torch.tensor(0.729),
+            "beta2_power": torch.tensor(0.997),
+            **extra,
+        },
+    )
+
+
+def test_beta_powers_of_two_adams_in_one_graph_are_chosen_not_guessed(tmp_path: Path) -> None:
+    """TF1 names the beta powers of a graph's second Adam beta1_power_1, whatever its name=: the
+    bare names may be another optimizer's (a GAN's generator's, read by its discriminator), so
+    a checkpoint holding both is refused until non_slot_suffix says which."""
+    prefix = tmp_path / "model.ckpt"
+    _write_adam_checkpoint(prefix, beta1_power_1=torch.tensor(0.125), beta2_power_1=torch.tensor(0.729))
+    w = torch.nn.Parameter(torch.zeros(3))
+    opt = tgo.AdamOptimizer([w], 0.1)
+    with pytest.raises(CheckpointMismatchError, match=r"beta1_power: ambiguous.*\['beta1_power_1'\]"):
+        load_tf_checkpoint(prefix, {"w": w}, opt)
+    assert not w.detach().any() and not opt.state
+    for suffix, powers in (("_1", (0.125, 0.729)), ("", (0.729, 0.997))):
+        load_tf_checkpoint(prefix, {"w": w}, opt, non_slot_suffix=suffix)
+        group = opt.param_groups[0]
+        assert (float(group["beta1_power"]), float(group["beta2_power"])) == pytest.approx(powers)
+    with pytest.raises(ValueError, match="non_slot_suffix must be"):
+        load_tf_checkpoint(prefix, {"w": w}, opt, non_slot_suffix="1")
+
+
+@pytest.mark.parametrize(
+    ("step", "words"),
+    [
+        (torch.tensor([4, 5]), r"global_step: checkpoint shape \[2\], a global step is a scalar"),
+        (torch.tensor(-3), r"global_step: value -3, a global step is >= 0"),
+    ],
+)
+def test_a_global_step_that_is_no_step_raises_before_anything_is_written(
+    step: torch.Tensor, words: str, tmp_path: Path
+) -> None:
+    prefix = tmp_path / "model.ckpt"
+    _write_adam_checkpoint(prefix, global_step=step)
+    w = torch.nn.Parameter(torch.zeros(3))
+    opt = tgo.AdamOptimizer([w], 0.1)
+    with pytest.raises(CheckpointMismatchError, match=words):
+        load_tf_checkpoint(prefix, {"w": w}, opt)
+    assert not w.detach().any() and not opt.state
+
+
+def test_a_global_step_past_an_int32_tensor_raises_instead_of_wrapping(tmp_path: Path) -> None:
+    """TF's int64 step copied into AdagradDA's int32 global_step would wrap negative (T < 0)."""
+    prefix = tmp_path / "model.ckpt"
+    v = torch.nn.Parameter(torch.zeros(2))
+    step = torch.tensor(0, dtype=torch.int32)
+    bundle = {"v": torch.ones(2), "v/AdagradDA": torch.ones(2), "v/AdagradDA_1": torch.ones(2)}
+    write_bundle(str(prefix), {**bundle, "global_step": torch.tensor(2**31 + 5, dtype=torch.int64)})
+    opt = tgo.AdagradDAOptimizer([v], 0.1, global_step=step)
+    with pytest.raises(
+        CheckpointMismatchError, match="value 2147483653 does not fit the tensor's dtype torch.int32"
+    ):
+        load_tf_checkpoint(prefix, {"v": v}, opt)
+    assert int(step) == 0 and not v.detach().any()
 
 
 def test_conv_and_dense_layouts_give_tensorflows_output() -> None:

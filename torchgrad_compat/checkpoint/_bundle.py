@@ -457,8 +457,21 @@ class BundleReader:
                 raise CorruptCheckpointError(
                     f"{self.prefix}: piece {list(extents)} of {entry.name!r} has shape {list(piece.shape)}"
                 )
+            if any(s < 0 or s + n > d for (s, n), d in zip(extents, entry.shape, strict=True)):
+                raise CorruptCheckpointError(
+                    f"{self.prefix}: piece {list(extents)} of {entry.name!r} lies outside its shape "
+                    f"{list(entry.shape)}"
+                )
             pieces.append((extents, piece))
             covered += math.prod(piece.shape)
+        # In bounds, disjoint and as many elements as the variable: every element once. (A count
+        # alone passes a piece given twice for one left out, whose rows would stay uninitialised.)
+        for i, (a, _) in enumerate(pieces):
+            for b, _ in pieces[i + 1 :]:
+                if all(sa < sb + nb and sb < sa + na for (sa, na), (sb, nb) in zip(a, b, strict=True)):
+                    raise CorruptCheckpointError(
+                        f"{self.prefix}: pieces {list(a)} and {list(b)} of {entry.name!r} overlap"
+                    )
         if covered != math.prod(entry.shape):
             raise CorruptCheckpointError(f"{self.prefix}: the pieces of {entry.name!r} do not cover it")
         return pieces

@@ -150,8 +150,15 @@ def _default_name(opt: tgo.Optimizer) -> str:
 class _Names:
     """TF's names for variables and optimizer state, name-based (TF1 Saver) or object-based (TF2)."""
 
-    def __init__(self, object_based: bool, optimizer_name: str, in_loss_scale_optimizer: bool = False):
+    def __init__(
+        self,
+        object_based: bool,
+        optimizer_name: str,
+        in_loss_scale_optimizer: bool = False,
+        non_slot_suffix: str = "",
+    ):
         self.object_based = object_based
+        self.non_slot_suffix = non_slot_suffix
         self.loss_scale_path = optimizer_name
         # TF's MixedPrecisionLossScaleOptimizer tracks the optimizer it wraps as ``base_optimizer``.
         self.optimizer_name = (
@@ -170,7 +177,9 @@ class _Names:
         return f"{key}/{self.optimizer_name}" + (f"_{index}" if index else "")
 
     def non_slot(self, name: str) -> str:
-        return f"{self.optimizer_name}/{name}{_ATTRIBUTE}" if self.object_based else name
+        return (
+            f"{self.optimizer_name}/{name}{_ATTRIBUTE}" if self.object_based else name + self.non_slot_suffix
+        )
 
     def loss_scale(self, name: str) -> str:
         return f"{self.loss_scale_path}/loss_scale/{name}{_ATTRIBUTE}" if self.object_based else name
@@ -370,6 +379,7 @@ def load_tf_checkpoint(
     optimizer: torch.optim.Optimizer | None = None,
     *,
     optimizer_name: str | None = None,
+    non_slot_suffix: str | None = None,
     strict: bool = True,
 ) -> LoadInfo:
     """Copy a TF checkpoint's variables, and the optimizer's slots and state, into torch tensors.
@@ -392,6 +402,11 @@ def load_tf_checkpoint(
             ``beta2_power``; AdagradDA's step from the global step; a dynamic
             loss scale's ``current_loss_scale`` and ``good_steps``).
         optimizer_name: TF's ``name=`` of the optimizer when it was not the default.
+        non_slot_suffix: name-based checkpoints only. A TF1 graph with two Adam
+            optimizers holds ``beta1_power`` for the first and ``beta1_power_1``
+            for the second (TF makes the names unique, whatever ``name=``);
+            ``""`` loads the first's, ``"_1"`` the second's. Left None, a
+            checkpoint holding both is refused as ambiguous.
         strict: True (the default): everything asked for must be in the
             checkpoint and valid, or nothing is loaded. False: load what is
             valid, leave the rest as it is and say why in ``LoadInfo.skipped``
@@ -423,7 +438,7 @@ def load_tf_checkpoint(
     if not isinstance(strict, bool):
         raise TypeError(f"strict must be a bool, got {type(strict).__name__}: {strict!r}")
     with BundleReader(_resolve_prefix(path)) as reader:
-        return _load(reader, var_map, optimizer, optimizer_name, strict)
+        return _load(reader, var_map, optimizer, optimizer_name, non_slot_suffix, strict)
 
 
 def _load(
@@ -431,6 +446,7 @@ def _load(
     var_map: Mapping[str, Tensor | tuple[Tensor, Any]],
     optimizer: torch.optim.Optimizer | None,
     optimizer_name: str | None,
+    non_slot_suffix: str | None,
     strict: bool,
 ) -> LoadInfo:
     parsed = _parse_var_map(var_map)
@@ -439,7 +455,16 @@ def _load(
     if optimizer_name is not None and (not isinstance(optimizer_name, str) or not optimizer_name):
         raise TypeError(f"optimizer_name must be a non-empty str, got {optimizer_name!r}")
     default = "optimizer" if object_based else (_default_name(opt) if opt is not None else "")
-    names = _Names(object_based, optimizer_name or default, in_lso)
+    if non_slot_suffix is not None and (
+        not isinstance(non_slot_suffix, str) or not re.fullmatch(r"(_\d+)?", non_slot_suffix)
+    ):
+        raise ValueError(f"non_slot_suffix must be '' or '_' and a number (TF's), got {non_slot_suffix!r}")
+    if non_slot_suffix and object_based:
+        raise ValueError(
+            f"non_slot_suffix={non_slot_suffix!r} is for name-based checkpoints; an object-based one "
+            "names each optimizer's state by its path (optimizer_name)"
+        )
+    names = _Names(object_based, optimizer_name or default, in_lso, non_slot_suffix or "")
 
     global_step_name = next(
         (n for n in _GLOBAL_STEP_NAMES["object" if object_based else "name"] if n in reader.entries), None
@@ -451,6 +476,8 @@ def _load(
     mismatched, corrupt = _validate(reader, targets, global_step_name)
     if opt is not None:
         mismatched.update(_extra_slots(reader, parsed, opt, names, {t.name for t in targets}))
+        if not object_based and non_slot_suffix is None:
+            mismatched.update(_ambiguous_non_slot(reader, opt))
     if strict and (mismatched or corrupt):
         raise _load_error(reader, mismatched, corrupt)
     skipped = {**mismatched, **corrupt}
@@ -499,12 +526,15 @@ def _validate(
                 mismatched.setdefault(target.name, problem)
     to_check = {t.name for t in targets} - set(mismatched)
     if global_step_name is not None:
-        if reader.entries[global_step_name].torch_dtype in _INTEGER_DTYPES:
-            to_check.add(global_step_name)
-        else:
+        step_entry = reader.entries[global_step_name]
+        if step_entry.torch_dtype not in _INTEGER_DTYPES:
+            mismatched[global_step_name] = f"checkpoint dtype {step_entry.dtype}, a global step is an integer"
+        elif tuple(step_entry.shape) != ():
             mismatched[global_step_name] = (
-                f"checkpoint dtype {reader.entries[global_step_name].dtype}, a global step is an integer"
+                f"checkpoint shape {list(step_entry.shape)}, a global step is a scalar"
             )
+        else:
+            to_check.add(global_step_name)
     corrupt: dict[str, str] = {}
     for name in sorted(to_check):
         try:
@@ -512,12 +542,51 @@ def _validate(
         except CorruptCheckpointError as error:
             corrupt[name] = str(error)
     for target in targets:
-        if target.check is not None and target.name not in mismatched and target.name not in corrupt:
+        if target.name in mismatched or target.name in corrupt:
+            continue
+        if target.integer:
+            # An int64 counter copied into a narrower integer would wrap (T < 0 for AdagradDA).
+            value, info = int(reader.read(target.name)), torch.iinfo(target.tensor.dtype)
+            if not info.min <= value <= info.max:
+                mismatched[target.name] = (
+                    f"value {value} does not fit the tensor's dtype {target.tensor.dtype}"
+                )
+                continue
+        if target.check is not None:
             try:
                 target.check(reader.read(target.name))
             except (TypeError, ValueError) as error:
                 mismatched.setdefault(target.name, f"invalid value: {error}")
+    if (
+        global_step_name is not None
+        and global_step_name not in mismatched
+        and global_step_name not in corrupt
+    ):
+        step = int(reader.read(global_step_name))
+        if step < 0:
+            mismatched[global_step_name] = f"value {step}, a global step is >= 0"
     return mismatched, corrupt
+
+
+def _ambiguous_non_slot(reader: BundleReader, opt: tgo.Optimizer) -> dict[str, str]:
+    """Optimizer-wide state a name-based checkpoint holds for more than one optimizer of the graph.
+
+    TF1 names the beta powers of a graph's second Adam ``beta1_power_1`` (and so
+    on), whatever its ``name=``: ``beta1_power`` alone may be another optimizer's,
+    and its bias correction would be silently wrong here.
+    """
+    ambiguous = {}
+    for cls, keys in _NON_SLOT.items():
+        if isinstance(opt, cls):
+            for key in keys:
+                others = sorted(n for n in reader.entries if re.fullmatch(rf"{re.escape(key)}_\d+", n))
+                if key in reader.entries and others:
+                    ambiguous[key] = (
+                        f"ambiguous: the checkpoint also holds {others}, the same state of another "
+                        f"{cls.__name__.removesuffix('Optimizer')} optimizer of the TF graph; pass "
+                        f"non_slot_suffix='' for {key!r}, or the suffix of the others (such as '_1')"
+                    )
+    return ambiguous
 
 
 def _extra_slots(
