@@ -570,6 +570,19 @@ def _errors() -> list[tuple[str, Callable[[], Any], type[Exception], str]]:
             ValueError,
             r"v\[0\] must have the shape",
         ),
+        (
+            # Cast to x's dtype, its imaginary part would be dropped with a warning only.
+            "hvp_complex_v",
+            lambda: hessian_vector_product(y, x, torch.ones(x.shape, dtype=torch.complex64)),
+            TypeError,
+            r"v\[0\] must be real or integer as xs\[0\] \(torch.float64\), got torch.complex64",
+        ),
+        (
+            "hvp_bool_v",
+            lambda: hessian_vector_product(y, x, torch.ones(x.shape, dtype=torch.bool)),
+            TypeError,
+            r"v\[0\] must be real or integer",
+        ),
     ]
 
 

@@ -337,6 +337,10 @@ def hessian_vector_product(
     for i, (vi, x) in enumerate(zip(vs, xs, strict=True)):
         if vi.shape != x.shape:
             raise ValueError(f"v[{i}] must have the shape of xs[{i}] {tuple(x.shape)}, got {tuple(vi.shape)}")
+        if vi.dtype == torch.bool or vi.is_complex() != x.is_complex():
+            # A complex v for a real x would lose its imaginary part in the cast (a warning only).
+            kind = "complex" if x.is_complex() else "real or integer"
+            raise TypeError(f"v[{i}] must be {kind} as xs[{i}] ({x.dtype}), got {vi.dtype}")
     if create_graph is None:
         create_graph = torch.is_grad_enabled()
     with torch.enable_grad():
