@@ -551,6 +551,17 @@ def test_a_gradient_that_overflows_once_unscaled_skips_the_step(dtype: torch.dty
     assert results == [(1.0, 1.0), (1.0, 1.0)]
 
 
+def test_one_gradient_tensor_of_two_parameters_is_unscaled_once() -> None:
+    """p.grad and r.grad the same tensor: unscaling it once per parameter divided it by the
+    scale squared (GradScaler does too)."""
+    p, r = nn.Parameter(torch.zeros(2)), nn.Parameter(torch.zeros(2))
+    opt = LossScaleOptimizer(tgo.GradientDescentOptimizer([p, r], 1.0), DynamicLossScale(8.0, 10))
+    opt.get_scaled_loss(p.sum()).backward()
+    r.grad = p.grad
+    opt.step()
+    assert torch.equal(p.detach(), torch.full((2,), -1.0)) and torch.equal(r.detach(), torch.full((2,), -1.0))
+
+
 def test_complex_gradients_are_unscaled_through_their_real_view() -> None:
     """torch optimizers take complex parameters; torch's unscale kernel takes real dtypes only,
     and it used to raise after the real gradients had been divided (again at each retry)."""

@@ -316,7 +316,9 @@ class LossScaleOptimizer(OptimizerWrapper):
                 "opt.get_scaled_loss(loss).backward() before step() or unscale_()"
             )
         self._marks.check_scaled_backward(caller)
-        grads = [g for g, _ in present]
+        # One tensor that is the gradient of two parameters is unscaled once. (Keyed by id:
+        # Tensor.__hash__ is a Python call, 0.5 ms per 1000 gradients.)
+        grads = list({id(g): g for g, _ in present}.values())
         # One cheap pass for the usual case (dense, contiguous, fitting its parameter); the
         # parameter-by-parameter checks, which name what is wrong, run only when it fails.
         usual = _grads_fit(present) and all(map(Tensor.is_contiguous, grads))
