@@ -82,3 +82,17 @@ def test_epsilon_is_added_to_sqrt_v_not_to_the_corrected_one():
     expected = -(0.05 * alpha) / (np.sqrt(0.00025) + 1.0)
     assert ours.item() == pytest.approx(expected, rel=1e-5)
     assert abs(theirs.item() - ours.item()) > 1e-3  # torch: -0.1·0.5/(0.5 + 1) = -0.0333
+
+
+@pytest.mark.parametrize("betas", [0.5, (0.9,), (0.9, 0.999, 0.1)], ids=["number", "one", "three"])
+def test_betas_that_are_no_pair_are_named_when_set_between_steps(betas) -> None:
+    """A scheduler or user writing group["betas"]: the error names betas, and nothing moves."""
+    p = torch.nn.Parameter(torch.ones(3))
+    opt = AdamOptimizer([p], 0.1)
+    p.grad = torch.ones(3)
+    opt.step()
+    before = p.detach().clone()
+    opt.param_groups[0]["betas"] = betas
+    with pytest.raises(TypeError, match=r"betas must be a pair \(beta1, beta2\)"):
+        opt.step()
+    assert torch.equal(p.detach(), before)

@@ -557,6 +557,20 @@ def test_non_finite_pushes_are_refused_and_leave_the_center_unchanged(bad):
     assert server.optimizer.state_dict()["state"] == {}
 
 
+def test_a_refused_push_is_not_sent_again():
+    """The worker gets the refusal once: its later pushes are applied and finish() answers (the
+    refused push was kept as if its answer had been lost, and refused again at every period)."""
+    server, host = _local([torch.zeros(2)], lambda ps: tgo.GradientDescentOptimizer(ps, 1.0), 1)
+    p = torch.zeros(2)
+    opt = AGNOptimizer(tgo.GradientDescentOptimizer([p], 0.0), 1, 1, server=host.endpoint("w"))
+    with pytest.raises(ValueError, match="non-finite values"):
+        opt.apply_gradients([(torch.tensor([float("nan"), 1.0]), p)])
+    for _ in range(3):
+        opt.apply_gradients([(torch.ones(2), p)])
+    assert server.global_step == 3 and torch.equal(server.center[0], torch.full((2,), -3.0))
+    assert opt.finish() == 3
+
+
 def _saved_checkpoint(tmp_path: Path) -> Path:
     path = tmp_path / "ps.pt"
     server = ParameterServer(

@@ -763,3 +763,19 @@ def test_compute_gradients_defaults_and_unconnected_vars():
         opt.minimize(lambda: (extra * 0).sum().detach(), var_list=[extra])
     with pytest.raises(ValueError, match="var_list"):
         opt.compute_gradients(_quadratic(params), var_list=[torch.zeros(2)])
+
+
+@pytest.mark.parametrize("path", [{"foreach": False}, {"foreach": True}, {"fused": True}], ids=str)
+def test_centered_switched_on_after_the_first_step_is_named(path) -> None:
+    """RMSProp's "mg" slot exists only when centered: switched on later, the step found no slot
+    (a bare KeyError). It is refused by name before anything moves, in every param group."""
+    a, b = torch.nn.Parameter(torch.ones(3)), torch.nn.Parameter(torch.ones(3))
+    opt = tgo.RMSPropOptimizer([{"params": [a]}, {"params": [b]}], 0.1, momentum=0.5, **path)
+    for p in (a, b):
+        p.grad = torch.ones(3)
+    opt.step()
+    before = [a.detach().clone(), b.detach().clone()]
+    opt.param_groups[1]["centered"] = True
+    with pytest.raises(ValueError, match=r"param group 1 has no slot \['mg'\]"):
+        opt.step()
+    assert torch.equal(a.detach(), before[0]) and torch.equal(b.detach(), before[1])

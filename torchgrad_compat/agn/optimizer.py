@@ -267,7 +267,13 @@ class AGNOptimizer(OptimizerWrapper):
         if self._unacked is None:
             return
         seq, pushed = self._unacked
-        center, self.global_step = self._endpoint.request("push", self._session, seq, pushed)
+        try:
+            center, self.global_step = self._endpoint.request("push", self._session, seq, pushed)
+        except (ValueError, TypeError):
+            # Refused (a NaN, a shape that does not fit): it never will be accepted, and kept it
+            # would be sent again, and refused, at every later communication and at finish().
+            self._unacked = None
+            raise
         self._unacked = None
         self._pull(center)
 

@@ -781,6 +781,18 @@ class Optimizer(torch.optim.Optimizer):
             spec for spec in self._hypers if isinstance(spec, Hyper) and spec.in_param_dtype
         )
         state = self.state
+        for gi, pairs in grouped.items():
+            names = self._slot_names_for(self.param_groups[gi])
+            if len(names) > len(self._slots):
+                # A slot a group flag adds (RMSProp's "mg" when centered), switched on after the
+                # first step: TF fixes it at construction, and the update would not find it.
+                for _, p in pairs:
+                    if state.get(p) and any(name not in state[p] for name in names):
+                        raise ValueError(
+                            f"{type(self).__name__}: parameter {_describe(p)} of param group {gi} has no "
+                            f"slot {[n for n in names if n not in state[p]]}: the group's options were "
+                            "changed after its first step (TF fixes them at construction)"
+                        )
         missing = {gi: [p for _, p in pairs if not state.get(p)] for gi, pairs in grouped.items()}
         for gi, params in missing.items():
             if params:

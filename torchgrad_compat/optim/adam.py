@@ -150,6 +150,8 @@ class AdamOptimizer(Optimizer):
         for i, group in enumerate(self.param_groups):
             synced = self._synced_betas[i]
             betas, tf_betas = group["betas"], (group["beta1"], group["beta2"])
+            if not (isinstance(betas, (tuple, list)) and len(betas) == 2):
+                _check_betas(betas)  # names "betas" (the comparison below would fail on its shape)
             betas_moved, tf_moved = not _same(betas, synced), not _same(tf_betas, synced)
             if betas_moved and tf_moved:
                 raise ValueError(
