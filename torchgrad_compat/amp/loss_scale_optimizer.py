@@ -19,6 +19,7 @@ from ..optim._base import (
     _check_grad,
     _describe,
     _grads_fit,
+    _is_expanded,
     _no_step_pre_hooks,
 )
 from ..optim._wrapper import OptimizerWrapper
@@ -376,7 +377,7 @@ class LossScaleOptimizer(OptimizerWrapper):
                 continue
             _check_grad(type(self).__name__, g, p)
             # An expanded view (stride 0) shares one element between many: it cannot be unscaled in place.
-            if not g.is_sparse and any(st == 0 and n > 1 for st, n in zip(g.stride(), g.shape, strict=True)):
+            if not g.is_sparse and _is_expanded(g):
                 raise RuntimeError(
                     f"LossScaleOptimizer: p.grad of parameter {i} {_describe(p)} is an expanded view "
                     f"(strides {g.stride()}) and cannot be unscaled in place; assign "

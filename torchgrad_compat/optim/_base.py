@@ -73,7 +73,7 @@ _FUSED_GRAPH_LIMIT = 64
 # Elements of the rows of zeros a fused kernel is compiled on (see _FusedKernel._compile).
 _FUSED_SIZE_HINT = 4096
 # The tensors that fill up a last chunk.
-_FUSED_FILLERS: dict[tuple[torch.device, torch.dtype, int], list[list[Tensor]]] = {}
+_FUSED_FILLERS: dict[tuple[torch.device, torch.dtype, int, int], list[list[Tensor]]] = {}
 # The largest row a fused kernel takes on a GPU: Triton kernels compiled for small sizes index
 # in int32 (less a margin for the last block's offsets); larger rows take the reference loop.
 _TRITON_ROW_LIMIT = 2**31 - 2**16
@@ -1286,8 +1286,6 @@ def _placeholder_layout(
         return None
     rows = {id(t): (j, i) for j, lst in enumerate(lists) for i, t in enumerate(lst)}
     names = {id(v): name for name, v in scalars.items() if isinstance(v, Tensor)}
-    if len(names) != sum(isinstance(v, Tensor) for v in scalars.values()):
-        return None  # a tensor under two names is one input (see _distinct_scalars)
     size_row: dict[Any, int] = {}
     for node, value in zip(placeholders, inputs, strict=True):
         fake = node.meta.get("example_value")
@@ -1578,6 +1576,11 @@ def _refuse_inference_rows(lists: tuple[list[Tensor], ...]) -> None:
             )
 
 
+def _is_expanded(t: Tensor) -> bool:
+    """Whether a dense tensor is an expanded view: a stride of 0 over a dim of more than one element."""
+    return any(stride == 0 and size > 1 for stride, size in zip(t.stride(), t.shape, strict=True))
+
+
 def _check_no_shared_elements(cls: str, slots: list[tuple[str, Tensor]]) -> None:
     """Refuse loaded slots that share memory, within one (an expanded view) or with another:
     the update writes each element once, and torch refuses the in-place ops halfway through."""
@@ -1587,7 +1590,7 @@ def _check_no_shared_elements(cls: str, slots: list[tuple[str, Tensor]]) -> None
             t = t.to_local()  # each rank's shard is its own memory
         if t.is_meta or t.numel() == 0:
             continue
-        if any(stride == 0 and size > 1 for stride, size in zip(t.stride(), t.shape, strict=True)):
+        if _is_expanded(t):
             raise ValueError(
                 f"{cls}: loaded {name} is an expanded view (strides {t.stride()}): its elements share "
                 "memory; pass a contiguous copy"
