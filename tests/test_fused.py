@@ -469,6 +469,24 @@ def test_cuda_graph_replays_match_the_reference_loop(spec: OptimSpec, cid: str):
             torch.testing.assert_close(f, r, rtol=rtol, atol=atol)
 
 
+@NEEDS_CUDA
+def test_a_cpu_learning_rate_is_read_at_every_step_on_cuda():
+    """The functional form takes a CPU 0-d learning rate beside CUDA rows; a CUDA graph would keep
+    the value it was captured with, so such steps are not replayed."""
+    from torchgrad_compat.optim.gradient_descent import gradient_descent
+
+    runs = []
+    for fused in (True, False):
+        params = [torch.ones(s, device="cuda") for s in SHAPES]
+        grads = [torch.ones(s, device="cuda") for s in SHAPES]
+        for step in range(6):
+            with torch.no_grad():
+                gradient_descent(params, grads, lr=torch.tensor(0.1 * (step + 1)), foreach=False, fused=fused)
+        runs.append(params)
+    for f, r in zip(*runs, strict=True):
+        assert torch.equal(f, r)
+
+
 def test_fused_resumes_bitwise_from_a_state_dict():
     grads = [torch.sin(torch.arange(60.0) * (k + 1)).reshape(6, 10) for k in range(4)]
 

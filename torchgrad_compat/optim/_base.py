@@ -1439,6 +1439,10 @@ class _FusedPlan:
         """
         if self._capture_failed or torch.cuda.is_current_stream_capturing():
             return None
+        if any(isinstance(v, Tensor) and v.device != grads[0].device for v in scalars.values()):
+            # A CPU scalar (a functional caller's) is read on the host as the kernel is launched:
+            # a graph would keep the value it was captured with.
+            return None
         addresses = list(map(Tensor.data_ptr, grads))
         for graph in self.graphs:
             if graph.kernel is kernel and graph.addresses == addresses:
