@@ -470,6 +470,37 @@ def test_cuda_graph_replays_match_the_reference_loop(spec: OptimSpec, cid: str):
 
 
 @NEEDS_CUDA
+@pytest.mark.parametrize("spec", SPECS, ids=[spec.name.removesuffix("Optimizer") for spec in SPECS])
+def test_a_training_loop_replays_the_fused_step_on_cuda(spec: OptimSpec):
+    """``zero_grad()`` frees the gradients and backward makes new ones, which the caching allocator
+    puts where the last ones were as long as nothing the step keeps comes from their pool: the
+    state a step replaces (Adam's beta powers, AdagradDA's step) and the graph's own inputs.
+    So one graph is captured at the third step and replayed from then on."""
+
+    def run(**path) -> tuple[list[torch.Tensor], list[int]]:
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(*[torch.nn.Linear(64, 64) for _ in range(12)]).cuda()
+        opt = spec.make(list(model.parameters()), **path)
+        x = torch.randn(16, 64, device="cuda")
+        for _ in range(12):
+            opt.zero_grad(set_to_none=True)
+            model(x).tanh().square().mean().backward()
+            opt.step()
+        first = next(iter(model.parameters()))
+        kept = [optim_base._FusedPlan._kept.get(t) for t in [first, *opt.state[first].values()]]
+        replays = [graph.replays for plan in kept if plan is not None for graph in plan.graphs]
+        return [p.detach().clone() for p in model.parameters()], replays
+
+    fused, replays = run(fused=True)
+    reference, _ = run(foreach=False)
+    assert len(replays) == 1 and replays[0] >= 10, replays
+    cid = next(iter(spec.configs))
+    rtol, atol = FUSED_TOL[torch.float32] if "learning_rate_power" in spec.configs[cid] else (0, 0)
+    for f, r in zip(fused, reference, strict=True):
+        torch.testing.assert_close(f, r, rtol=rtol, atol=atol)
+
+
+@NEEDS_CUDA
 def test_a_cpu_learning_rate_is_read_at_every_step_on_cuda():
     """The functional form takes a CPU 0-d learning rate beside CUDA rows; a CUDA graph would keep
     the value it was captured with, so such steps are not replayed."""

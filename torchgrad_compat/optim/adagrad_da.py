@@ -188,7 +188,7 @@ class AdagradDAOptimizer(Optimizer):
 
     def _finish(self, group, non_slot, values):
         if self._global_step is None:
-            non_slot["global_step"] = non_slot["global_step"] + 1
+            self._advance(non_slot, "global_step", torch.add, 1)
 
 
 def adagrad_da(

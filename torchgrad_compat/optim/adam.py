@@ -201,7 +201,7 @@ class AdamOptimizer(Optimizer):
         for name, key in (("beta1_power", "beta1"), ("beta2_power", "beta2")):
             power = non_slot[name]
             beta = float32_tensor(values[key], power.device)
-            non_slot[name] = power * beta
+            self._advance(non_slot, name, torch.mul, beta)
 
 
 def _check_betas(betas: Any) -> tuple[Any, Any]:
