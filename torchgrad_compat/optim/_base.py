@@ -1571,7 +1571,8 @@ class _StepGraph:
         self.replays += 1
 
 
-# Per CUDA device, the memory pool of the optimizer-wide state that a step replaces.
+# Per CUDA device, the memory pool of the optimizer-wide state that a step replaces (None: the
+# allocator refused one).
 _STATE_POOLS: dict[torch.device, Any] = {}
 
 
@@ -1585,7 +1586,8 @@ def _apart_from_gradients(device: torch.device) -> Iterator[None]:
     somewhere else at every step (in turn over six sets of addresses, in a
     loop of 100 ``Linear`` layers), and the fused step's CUDA graph would
     never be replayed. In a torch release without ``torch.cuda.use_mem_pool``,
-    inside a CUDA graph capture and under ``torch.compile``, the default pool is used.
+    with an allocator that has no such pools, inside a CUDA graph capture and
+    under ``torch.compile``, the default pool is used.
     """
     if (
         device.type != "cuda"
@@ -1595,9 +1597,18 @@ def _apart_from_gradients(device: torch.device) -> Iterator[None]:
     ):
         yield
         return
-    pool = _STATE_POOLS.get(device)
+    if device not in _STATE_POOLS:
+        try:
+            pool = torch.cuda.MemPool()
+            with torch.cuda.use_mem_pool(pool, device=device):
+                pass
+        except RuntimeError:  # e.g. PYTORCH_CUDA_ALLOC_CONF=backend:cudaMallocAsync
+            pool = None
+        _STATE_POOLS[device] = pool
+    pool = _STATE_POOLS[device]
     if pool is None:
-        pool = _STATE_POOLS[device] = torch.cuda.MemPool()
+        yield
+        return
     with torch.cuda.use_mem_pool(pool, device=device):
         yield
 
