@@ -290,6 +290,15 @@ def test_hessians_without_a_graph_match_in_chunks(chunk_size: int | None) -> Non
     torch.testing.assert_close(h, expected, rtol=1e-12, atol=1e-13)
 
 
+@pytest.mark.parametrize("chunk_size", [None, 1, 3])
+@pytest.mark.parametrize("create_graph", [True, False])
+def test_hessians_of_an_empty_x_are_empty_as_in_tf(chunk_size: int | None, create_graph: bool) -> None:
+    """TF's ``tf.hessians`` of an x of shape (2, 0) gives a (2, 0, 2, 0) tensor (checked in TF 2.21)."""
+    x = torch.zeros(2, 0, dtype=torch.float64, requires_grad=True)
+    (h,) = hessians((x * x).sum(), x, chunk_size=chunk_size, create_graph=create_graph)
+    assert h.shape == (2, 0, 2, 0) and h.dtype == torch.float64
+
+
 _PEAK_RSS = """
 import resource, sys, torch
 from torchgrad_compat import hessians

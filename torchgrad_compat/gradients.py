@@ -491,10 +491,10 @@ def _hessian_block(g: Tensor, x: Tensor, i: int, chunk_size: int | None, create_
     float32, a 137 MiB Hessian: peak RSS 743 -> 429 MiB with chunk_size=64,
     791 -> 417 MiB with chunk_size=1, from 243 MiB before the call).
     """
-    if not g.requires_grad:
-        return torch.zeros(x.shape + x.shape, dtype=x.dtype, device=x.device)
     flat = g.reshape(-1)
     n = flat.numel()
+    if not g.requires_grad or n == 0:  # (an empty x: TF's result is empty too, shaped x.shape + x.shape)
+        return torch.zeros(x.shape + x.shape, dtype=x.dtype, device=x.device)
     row = partial(_vjp, flat, x, create_graph)
     step = n if chunk_size is None else min(chunk_size, n)
     if step == n:
