@@ -876,6 +876,55 @@ def test_beta_powers_of_two_adams_in_one_graph_are_chosen_not_guessed(tmp_path: 
         load_tf_checkpoint(prefix, {"w": w}, opt, non_slot_suffix="1")
 
 
+def test_loss_scales_of_two_optimizers_in_one_graph_are_chosen_not_guessed(tmp_path: Path) -> None:
+    """TF1 names a graph's second loss-scale optimizer's state current_loss_scale_1 and
+    good_steps_1 (float32 and int64, as TF 2.21 writes them): the bare names may be the other
+    optimizer's, so a checkpoint holding both is refused until loss_scale_suffix says which."""
+    prefix = tmp_path / "model.ckpt"
+    write_bundle(
+        str(prefix),
+        {
+            "w": torch.full((3,), 7.0),
+            "current_loss_scale": torch.tensor(4.0),
+            "good_steps": torch.tensor(1, dtype=torch.int64),
+            "current_loss_scale_1": torch.tensor(1024.0),
+            "good_steps_1": torch.tensor(2, dtype=torch.int64),
+        },
+    )
+    w = torch.nn.Parameter(torch.zeros(3))
+    opt = LossScaleOptimizer(tgo.GradientDescentOptimizer([w], 0.1), DynamicLossScale(8.0, 10))
+    ambiguous = r"current_loss_scale: ambiguous.*\['current_loss_scale_1'\]"
+    with pytest.raises(CheckpointMismatchError, match=ambiguous):
+        load_tf_checkpoint(prefix, {"w": w}, opt)
+    assert not w.detach().any() and float(opt.loss_scale()) == 8.0
+    for suffix, (scale, good_steps) in (("_1", (1024.0, 2)), ("", (4.0, 1))):
+        load_tf_checkpoint(prefix, {"w": w}, opt, loss_scale_suffix=suffix)
+        assert (float(opt.loss_scale()), int(opt.loss_scale.good_steps)) == (scale, good_steps)
+    with pytest.raises(ValueError, match="loss_scale_suffix must be"):
+        load_tf_checkpoint(prefix, {"w": w}, opt, loss_scale_suffix="1")
+
+
+def test_a_loaded_scale_below_one_has_its_unscaled_gradients_checked(tmp_path: Path) -> None:
+    """TF accepts a dynamic scale below 1 (initial_loss_scale=0.5, saved before it grew). A gradient
+    finite when scaled and inf once unscaled skips the step and backs the scale off to TF's floor
+    of 1, as TF does, and as after load_state_dict."""
+    prefix = tmp_path / "model.ckpt"
+    write_bundle(
+        str(prefix),
+        {
+            "w": torch.tensor([0.6]),
+            "current_loss_scale": torch.tensor(0.5),
+            "good_steps": torch.tensor(1, dtype=torch.int64),
+        },
+    )
+    w = torch.nn.Parameter(torch.zeros(1))
+    opt = LossScaleOptimizer(tgo.GradientDescentOptimizer([w], 0.1), "dynamic")
+    load_tf_checkpoint(prefix, {"w": w}, opt)
+    opt.get_scaled_loss((4.0 * w * 1e38).sum()).backward()  # grad 2e38 scaled, 4e38 (inf) unscaled
+    opt.step()
+    assert w.item() == pytest.approx(0.6) and float(opt.loss_scale()) == 1.0
+
+
 @pytest.mark.parametrize(
     ("step", "words"),
     [

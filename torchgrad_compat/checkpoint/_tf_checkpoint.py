@@ -156,9 +156,11 @@ class _Names:
         optimizer_name: str,
         in_loss_scale_optimizer: bool = False,
         non_slot_suffix: str = "",
+        loss_scale_suffix: str = "",
     ):
         self.object_based = object_based
         self.non_slot_suffix = non_slot_suffix
+        self.loss_scale_suffix = loss_scale_suffix
         self.loss_scale_path = optimizer_name
         # TF's MixedPrecisionLossScaleOptimizer tracks the optimizer it wraps as ``base_optimizer``.
         self.optimizer_name = (
@@ -182,7 +184,9 @@ class _Names:
         )
 
     def loss_scale(self, name: str) -> str:
-        return f"{self.loss_scale_path}/loss_scale/{name}{_ATTRIBUTE}" if self.object_based else name
+        if self.object_based:
+            return f"{self.loss_scale_path}/loss_scale/{name}{_ATTRIBUTE}"
+        return name + self.loss_scale_suffix
 
 
 # ---------------------------------------------------------------------- arguments
@@ -380,6 +384,7 @@ def load_tf_checkpoint(
     *,
     optimizer_name: str | None = None,
     non_slot_suffix: str | None = None,
+    loss_scale_suffix: str | None = None,
     strict: bool = True,
 ) -> LoadInfo:
     """Copy a TF checkpoint's variables, and the optimizer's slots and state, into torch tensors.
@@ -407,6 +412,13 @@ def load_tf_checkpoint(
             for the second (TF makes the names unique, whatever ``name=``);
             ``""`` loads the first's, ``"_1"`` the second's. Left None, a
             checkpoint holding both is refused as ambiguous.
+        loss_scale_suffix: name-based checkpoints only, as ``non_slot_suffix``
+            for a dynamic loss scale's ``current_loss_scale`` and ``good_steps``:
+            TF1 numbers those of a graph's second loss-scale optimizer
+            ``current_loss_scale_1``, in the order the optimizers were made (its
+            beta powers are numbered in the order of their first update, which
+            may differ). Left None, a checkpoint holding several is refused as
+            ambiguous.
         strict: True (the default): everything asked for must be in the
             checkpoint and valid, or nothing is loaded. False: load what is
             valid, leave the rest as it is and say why in ``LoadInfo.skipped``
@@ -438,7 +450,7 @@ def load_tf_checkpoint(
     if not isinstance(strict, bool):
         raise TypeError(f"strict must be a bool, got {type(strict).__name__}: {strict!r}")
     with BundleReader(_resolve_prefix(path)) as reader:
-        return _load(reader, var_map, optimizer, optimizer_name, non_slot_suffix, strict)
+        return _load(reader, var_map, optimizer, optimizer_name, non_slot_suffix, loss_scale_suffix, strict)
 
 
 def _load(
@@ -447,6 +459,7 @@ def _load(
     optimizer: torch.optim.Optimizer | None,
     optimizer_name: str | None,
     non_slot_suffix: str | None,
+    loss_scale_suffix: str | None,
     strict: bool,
 ) -> LoadInfo:
     parsed = _parse_var_map(var_map)
@@ -455,16 +468,17 @@ def _load(
     if optimizer_name is not None and (not isinstance(optimizer_name, str) or not optimizer_name):
         raise TypeError(f"optimizer_name must be a non-empty str, got {optimizer_name!r}")
     default = "optimizer" if object_based else (_default_name(opt) if opt is not None else "")
-    if non_slot_suffix is not None and (
-        not isinstance(non_slot_suffix, str) or not re.fullmatch(r"(_\d+)?", non_slot_suffix)
-    ):
-        raise ValueError(f"non_slot_suffix must be '' or '_' and a number (TF's), got {non_slot_suffix!r}")
-    if non_slot_suffix and object_based:
-        raise ValueError(
-            f"non_slot_suffix={non_slot_suffix!r} is for name-based checkpoints; an object-based one "
-            "names each optimizer's state by its path (optimizer_name)"
-        )
-    names = _Names(object_based, optimizer_name or default, in_lso, non_slot_suffix or "")
+    for arg, suffix in (("non_slot_suffix", non_slot_suffix), ("loss_scale_suffix", loss_scale_suffix)):
+        if suffix is not None and (not isinstance(suffix, str) or not re.fullmatch(r"(_\d+)?", suffix)):
+            raise ValueError(f"{arg} must be '' or '_' and a number (TF's), got {suffix!r}")
+        if suffix and object_based:
+            raise ValueError(
+                f"{arg}={suffix!r} is for name-based checkpoints; an object-based one "
+                "names each optimizer's state by its path (optimizer_name)"
+            )
+    names = _Names(
+        object_based, optimizer_name or default, in_lso, non_slot_suffix or "", loss_scale_suffix or ""
+    )
 
     global_step_name = next(
         (n for n in _GLOBAL_STEP_NAMES["object" if object_based else "name"] if n in reader.entries), None
@@ -478,6 +492,8 @@ def _load(
         mismatched.update(_extra_slots(reader, parsed, opt, names, {t.name for t in targets}))
         if not object_based and non_slot_suffix is None:
             mismatched.update(_ambiguous_non_slot(reader, opt))
+    if loss_scale is not None and not object_based and loss_scale_suffix is None:
+        mismatched.update(_ambiguous_loss_scale(reader))
     if strict and (mismatched or corrupt):
         raise _load_error(reader, mismatched, corrupt)
     skipped = {**mismatched, **corrupt}
@@ -487,6 +503,9 @@ def _load(
         for target in to_load:
             _copy_into(target.tensor, _to_torch_layout(reader.read(target.name), target.perm))
         loaded_ids = {id(t.tensor) for t in to_load}
+        if loss_scale is not None and id(loss_scale.variables()[0]) in loaded_ids:
+            # As its load_state_dict does: a scale below 1 has its unscaled gradients checked too.
+            loss_scale.may_be_below_one = float(loss_scale.variables()[0]) < 1.0
         for tensor, state in fresh_slots.items():
             # Slots made for this load: installed when any of them was loaded (the others keep
             # their initial values, as TF's initializers would give them).
@@ -586,6 +605,21 @@ def _ambiguous_non_slot(reader: BundleReader, opt: tgo.Optimizer) -> dict[str, s
                         f"{cls.__name__.removesuffix('Optimizer')} optimizer of the TF graph; pass "
                         f"non_slot_suffix='' for {key!r}, or the suffix of the others (such as '_1')"
                     )
+    return ambiguous
+
+
+def _ambiguous_loss_scale(reader: BundleReader) -> dict[str, str]:
+    """A dynamic loss scale's state that a name-based checkpoint holds for more than one optimizer:
+    TF1 names a graph's second one ``current_loss_scale_1`` (see ``_ambiguous_non_slot``)."""
+    ambiguous = {}
+    for key in ("current_loss_scale", "good_steps"):
+        others = sorted(n for n in reader.entries if re.fullmatch(rf"{key}_\d+", n))
+        if key in reader.entries and others:
+            ambiguous[key] = (
+                f"ambiguous: the checkpoint also holds {others}, the loss scale of another optimizer "
+                f"of the TF graph; pass loss_scale_suffix='' for {key!r}, or the suffix of the others "
+                "(such as '_1')"
+            )
     return ambiguous
 
 
