@@ -523,6 +523,27 @@ def check_different_steps_across_ranks(rank: int, world: int) -> None:
     )
 
 
+def check_dcp_state_dict_leaves_the_first_step_check(rank: int, world: int) -> None:
+    """torch.distributed.checkpoint's get_state_dict steps a fresh optimizer with zero gradients to
+    make its state: on parameters a load will overwrite, so ranks may differ there (a per-rank
+    seed), and the check of the first real update is still to come."""
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    w = nn.Parameter(torch.randn(3, generator=torch.Generator().manual_seed(10 + rank)))
+    opt = CrossShardOptimizer(tgo.AdamOptimizer([w], learning_rate=0.1))
+    get_state_dict(nn.ParameterList([w]), opt)  # different values on the ranks: no error
+    assert set(opt.state[w]) == {"m", "v"}
+    init = w.detach().clone()
+    try:
+        opt.minimize((w * w).sum())
+    except RuntimeError as error:
+        assert "different values" in str(error), str(error)
+    else:
+        raise AssertionError("the first update on different parameters was not refused")
+    assert torch.equal(w.detach(), init)
+    _group_still_usable(world)
+
+
 CHECKS: dict[str, Callable[[int, int], None]] = {
     name.removeprefix("check_"): fn for name, fn in globals().items() if name.startswith("check_")
 }

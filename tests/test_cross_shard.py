@@ -30,6 +30,7 @@ from torchgrad_compat.xla._backend import (
 
 TWO_RANK_CHECKS = [
     "full_batch_equivalence",
+    "dcp_state_dict_leaves_the_first_step_check",
     "missing_gradients",
     "sparse_and_dense_mixed",
     "few_collectives",

@@ -11,7 +11,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from ..optim._base import _check_global_step, check_range
+from ..optim._base import _called_from_dcp_init, _check_global_step, check_range
 from ..optim._wrapper import OptimizerWrapper
 from ._backend import (
     DEFAULT_BUCKET_BYTES,
@@ -357,6 +357,12 @@ class CrossShardOptimizer(OptimizerWrapper):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        if _called_from_dcp_init():
+            # torch.distributed.checkpoint making a fresh optimizer's state (see Optimizer.step):
+            # zero gradients, on parameters about to be loaded; not the first update, which is
+            # still checked for agreement.
+            self._optimizer.step()
+            return loss
         self._agree_at_first_step()
         if self._reducer is not None and not self._reducer.synced:
             self._reducer.reduce_grads(average=self._reduction == "mean")
