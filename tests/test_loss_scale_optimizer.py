@@ -665,6 +665,42 @@ def test_resume_continues_bitwise(k: int, inner: str) -> None:
         _assert_same(list(m.parameters()), list(reference_model.parameters()))
 
 
+@pytest.mark.filterwarnings("ignore:CrossShardOptimizer. no torch.distributed process group")
+def test_its_state_dict_is_refused_by_an_optimizer_without_loss_scaling() -> None:
+    """Loaded into the bare optimizer (or one wrapped otherwise), the scale and its counter would be
+    dropped, and a LossScaleOptimizer made around it afterwards would start from its own scale."""
+    from torchgrad_compat.xla import CrossShardOptimizer
+
+    model = _model()
+    opt = LossScaleOptimizer(tgo.AdamOptimizer(list(model.parameters()), 0.01), DynamicLossScale(16.0, 2))
+    opt.zero_grad()
+    opt.get_scaled_loss(_mse(model, 0)).backward()
+    opt.step()
+    saved = opt.state_dict()
+    for bare in (
+        tgo.AdamOptimizer(list(_model().parameters()), 0.01),
+        CrossShardOptimizer(tgo.AdamOptimizer(list(_model().parameters()), 0.01)),
+    ):
+        with pytest.raises(
+            ValueError, match=r"holds a LossScaleOptimizer's loss scale \(\['loss_scale_class'"
+        ):
+            bare.load_state_dict(saved)
+        assert not bare.state
+    dropped = {
+        **saved,
+        "param_groups": [
+            {k: v for k, v in g.items() if not k.startswith("loss_scale_")} for g in saved["param_groups"]
+        ],
+    }
+    bare = tgo.AdamOptimizer(list(_model().parameters()), 0.01)
+    bare.load_state_dict(dropped)
+    assert len(bare.state) == 4
+    with pytest.raises(
+        ValueError, match="different number of parameter groups: 2, where this optimizer has 1"
+    ):
+        bare.load_state_dict({**dropped, "param_groups": dropped["param_groups"] * 2})
+
+
 def test_load_state_dict_failure_changes_nothing() -> None:
     model = _model()
     opt = _make(model, "ours", DynamicLossScale(16.0, increment_period=3))

@@ -266,6 +266,31 @@ def test_state_dict_and_load_state_dict_hooks_fire(spec: OptimSpec, cid: str):
     assert calls == ["sd pre", "sd post", "load pre", "load post"]
 
 
+@pytest.mark.parametrize(
+    "wrap",
+    [lambda opt: LossScaleOptimizer(opt, loss_scale=1.0), CrossShardOptimizer],
+    ids=["LossScaleOptimizer", "CrossShardOptimizer"],
+)
+@pytest.mark.filterwarnings("ignore:CrossShardOptimizer. no torch.distributed process group")
+def test_state_dict_hooks_fire_on_a_wrapper_and_may_replace_what_it_loads(wrap):
+    params = _params()
+    wrapper = wrap(SPECS[0].make(params))
+    calls: list[str] = []
+    wrapper.register_state_dict_pre_hook(lambda o: calls.append("sd pre"))
+    wrapper.register_state_dict_post_hook(lambda o, sd: calls.append("sd post"))
+
+    def lower_lr(o: Any, sd: dict[str, Any]) -> dict[str, Any]:
+        calls.append("load pre")
+        return {**sd, "param_groups": [{**g, "lr": 0.001} for g in sd["param_groups"]]}
+
+    wrapper.register_load_state_dict_pre_hook(lower_lr)
+    wrapper.register_load_state_dict_post_hook(lambda o: calls.append("load post"))
+    saved = wrapper.state_dict()
+    wrapper.load_state_dict(saved)
+    assert calls == ["sd pre", "sd post", "load pre", "load post"]
+    assert wrapper.param_groups[0]["lr"] == 0.001 and saved["param_groups"][0]["lr"] != 0.001
+
+
 # ---------------------------------------------------------------- with torch's tools
 @by_spec
 def test_grad_scaler_steps_as_without_scaling(spec: OptimSpec, cid: str):

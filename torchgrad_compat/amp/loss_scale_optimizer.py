@@ -13,6 +13,7 @@ from torch import Tensor
 from ..optim._base import (
     _DEVICE_OF,
     _DTYPE_OF,
+    LOSS_SCALE_KEY_PREFIX,
     Optimizer,
     _called_from_dcp_init,
     _check_global_step,
@@ -95,6 +96,9 @@ class LossScaleOptimizer(OptimizerWrapper):
         2. An uncoalesced float16 sparse gradient is also checked after its
            duplicate rows are summed (TF checks only the rows as given).
         3. float64 gradients are unscaled in float64 (TF's optimizer rejects them).
+        4. ``load_state_dict`` restores the loss scale's settings with its state, over
+           the constructor's (as ``GradScaler.load_state_dict``); a TF checkpoint holds
+           the scale and its counter only (``load_tf_checkpoint`` loads those).
 
     Differences from ``torch.amp.GradScaler``: TF's dynamic rule (see
     ``DynamicLossScale``: floor of 1, initial ``2**15``); the scale belongs
@@ -539,7 +543,7 @@ class LossScaleOptimizer(OptimizerWrapper):
         return {_LOSS_SCALE_PREFIX + k: v for k, v in state_dict["loss_scale"].items()}, {}
 
 
-_LOSS_SCALE_PREFIX = "loss_scale_"
+_LOSS_SCALE_PREFIX = LOSS_SCALE_KEY_PREFIX
 
 
 class _StepMarks:

@@ -61,6 +61,8 @@ __all__ = [
 
 _VALID_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 _HALF_DTYPES = (torch.float16, torch.bfloat16)
+# The param-group keys of a LossScaleOptimizer's state (which it keeps in every group).
+LOSS_SCALE_KEY_PREFIX = "loss_scale_"
 # CPU foreach updates run over chunks of at most this many parameter bytes (see _chunks).
 _CPU_CHUNK_BYTES = 512 * 1024
 # Tensors per compiled call of a fused update (see _run_fused). Larger chunks call fewer times
@@ -697,7 +699,11 @@ class Optimizer(torch.optim.Optimizer):
         if not isinstance(saved_groups, list) or not isinstance(state_dict.get("state"), dict):
             raise ValueError("state_dict must hold 'state' and 'param_groups' (from Optimizer.state_dict())")
         if len(saved_groups) != len(self.param_groups):
-            raise ValueError("loaded state dict has a different number of parameter groups")
+            # (torch's words, which its tools match, with the counts.)
+            raise ValueError(
+                f"loaded state dict has a different number of parameter groups: {len(saved_groups)}, "
+                f"where this optimizer has {len(self.param_groups)}"
+            )
         cls = type(self).__name__
         id_to_param: dict[Any, tuple[Tensor, dict[str, Any]]] = {}
         for i, (saved, group) in enumerate(zip(saved_groups, self.param_groups, strict=True)):
@@ -706,7 +712,18 @@ class Optimizer(torch.optim.Optimizer):
             if len(saved["params"]) != len(group["params"]):
                 raise ValueError(
                     "loaded state dict contains a parameter group that doesn't match the size "
-                    "of optimizer's group"
+                    f"of optimizer's group: group {i} holds {len(saved['params'])} parameters, "
+                    f"this optimizer's {len(group['params'])}"
+                )
+            wrapper_keys = sorted(
+                k for k in saved if isinstance(k, str) and k.startswith(LOSS_SCALE_KEY_PREFIX)
+            )
+            if wrapper_keys:
+                # A LossScaleOptimizer takes these out before its wrapped optimizer loads the rest.
+                raise ValueError(
+                    f"{cls}: loaded param group {i} holds a LossScaleOptimizer's loss scale "
+                    f"({wrapper_keys}); load it through a LossScaleOptimizer around this optimizer, or "
+                    "delete those entries from every group to drop the scale"
                 )
             missing = [spec.key for spec in self._hypers if isinstance(spec, Hyper) and spec.key not in saved]
             if missing:

@@ -294,6 +294,8 @@ class OptimizerWrapper(torch.optim.Optimizer):
         ``state`` and ``param_groups`` (``torch.distributed.checkpoint``,
         frameworks) keep it too.
         """
+        for pre_hook in self._optimizer_state_dict_pre_hooks.values():
+            pre_hook(self)
         inner = self._optimizer.state_dict()
         extra = self._wrapper_state()
         groups = [{**group, **{k: _copy(v) for k, v in extra.items()}} for group in inner["param_groups"]]
@@ -301,7 +303,13 @@ class OptimizerWrapper(torch.optim.Optimizer):
         for index, values in self._wrapper_param_state().items():
             state[index] = {**state.get(index, {}), **values}
         self._mirror(extra)
-        return {"state": state, "param_groups": groups}
+        state_dict = {"state": state, "param_groups": groups}
+        for post_hook in self._optimizer_state_dict_post_hooks.values():
+            # torch's contract: a hook may return a replacement.
+            result = post_hook(self, state_dict)
+            if result is not None:
+                state_dict = result
+        return state_dict
 
     def _mirror(self, extra: dict[str, Any]) -> None:
         """Copy the wrapper's group keys into the live param groups too.
@@ -321,6 +329,11 @@ class OptimizerWrapper(torch.optim.Optimizer):
             raise TypeError(
                 f"{type(self).__name__}.load_state_dict expects a dict, got {_describe(state_dict)}"
             )
+        state_dict = state_dict.copy()  # (as torch's: hooks may change it, the caller's stays)
+        for pre_hook in self._optimizer_load_state_dict_pre_hooks.values():
+            result = pre_hook(self, state_dict)
+            if result is not None:
+                state_dict = result
         if "optimizer" in state_dict and "param_groups" not in state_dict:
             inner = state_dict["optimizer"]
             extra, per_param = self._values_from_old_layout(state_dict)
@@ -334,6 +347,8 @@ class OptimizerWrapper(torch.optim.Optimizer):
             self._load_wrapper(*previous)
             raise
         self._mirror(extra)
+        for post_hook in self._optimizer_load_state_dict_post_hooks.values():
+            post_hook(self)
 
     def _split(
         self, state_dict: dict[str, Any]
