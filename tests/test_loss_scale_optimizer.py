@@ -562,6 +562,39 @@ def test_one_gradient_tensor_of_two_parameters_is_unscaled_once() -> None:
     assert torch.equal(p.detach(), torch.full((2,), -1.0)) and torch.equal(r.detach(), torch.full((2,), -1.0))
 
 
+def test_sparse_gradients_sharing_one_buffer_are_unscaled_once() -> None:
+    """Token and position embeddings summed into one input: each sparse gradient's values are a
+    view of the sum's gradient, one buffer. Unscaled once, as the unscaled run's gradients."""
+    x, positions = torch.tensor([[1, 5, 1, 2]]), torch.arange(4)[None]
+    weights = torch.linspace(-1, 1, 12).reshape(1, 4, 3)
+    runs = []
+    for scaled in (True, False):
+        tok = nn.Parameter(torch.linspace(-1, 1, 18).reshape(6, 3))
+        pos = nn.Parameter(torch.linspace(1, 2, 12).reshape(4, 3))
+        inner = tgo.AdamOptimizer([tok, pos], learning_rate=0.1)
+        opt = LossScaleOptimizer(inner) if scaled else inner
+        loss = ((F.embedding(x, tok, sparse=True) + F.embedding(positions, pos, sparse=True)) * weights).sum()
+        (opt.get_scaled_loss(loss) if scaled else loss).backward()
+        if scaled:
+            assert tok.grad._values().data_ptr() == pos.grad._values().data_ptr()
+        opt.step()
+        runs.append([tok.detach().clone(), pos.detach().clone(), pos.grad.to_dense()])
+    for a, b in zip(*runs, strict=True):
+        assert torch.equal(a, b)
+    # Views of one buffer at different offsets would be divided twice where they overlap: refused.
+    w, v = nn.Parameter(torch.zeros(4, 3)), nn.Parameter(torch.zeros(4, 3))
+    opt = LossScaleOptimizer(tgo.GradientDescentOptimizer([w, v], 0.1))
+    loss = F.embedding(x % 4, w, sparse=True).sum() + F.embedding(x % 4, v, sparse=True).sum()
+    opt.get_scaled_loss(loss).backward()
+    buffer = torch.ones(3, 3)
+    rows = torch.tensor([[0, 1]])
+    w.grad = torch.sparse_coo_tensor(rows, buffer[:2], (4, 3))
+    v.grad = torch.sparse_coo_tensor(rows, buffer[1:], (4, 3))
+    with pytest.raises(ValueError, match="share part of their memory"):
+        opt.step()
+    assert torch.equal(buffer, torch.ones(3, 3)) and not w.detach().any()
+
+
 def test_complex_gradients_are_unscaled_through_their_real_view() -> None:
     """torch optimizers take complex parameters; torch's unscale kernel takes real dtypes only,
     and it used to raise after the real gradients had been divided (again at each retry)."""
