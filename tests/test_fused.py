@@ -274,6 +274,54 @@ def test_a_fused_step_under_inference_mode_leaves_later_steps_working(monkeypatc
     assert torch.equal(*runs)
 
 
+def test_weights_tied_through_a_transpose_are_updated_in_the_loops_order():
+    """The transposed one takes the loop, the other a kernel: the loop's rows go first, so rows
+    sharing memory with one of them take the loop too, and the updates keep the list's order."""
+    runs = []
+    for path in ({"fused": True}, {"foreach": False}):
+        gen = torch.Generator().manual_seed(0)
+        weight = torch.randn(16, 16, generator=gen)
+        others = [torch.nn.Parameter(torch.randn(8, generator=gen)) for _ in range(5)]
+        params = [torch.nn.Parameter(weight), *others, torch.nn.Parameter(weight.t())]
+        opt = tgo.GradientDescentOptimizer(params, learning_rate=0.1, **path)
+        for _ in range(3):
+            for p in params:
+                p.grad = torch.randn(p.shape, generator=gen)
+            opt.step()
+        runs.append([weight.clone(), *(p.detach().clone() for p in others)])
+    for a, b in zip(*runs, strict=True):
+        assert torch.equal(a, b)
+
+
+def test_a_parameter_offloaded_and_reloaded_at_the_same_address_gets_a_new_plan():
+    """Offloading frees a parameter's memory with ``untyped_storage().resize_(0)`` (the plan's alias
+    shares that storage) and reloads it into a new tensor, which for 64 MiB the allocator puts at
+    the same address: the kept plan would write through the freed alias (a segmentation fault)."""
+    size = 1 << 24
+    runs = []
+    for path in ({"fused": True}, {"foreach": False}):
+        gen = torch.Generator().manual_seed(0)
+        params = [
+            torch.nn.Parameter(torch.randn(64, generator=gen)),
+            torch.nn.Parameter(torch.randn(size, generator=gen)),
+        ]
+        opt = tgo.MomentumOptimizer(params, learning_rate=0.1, momentum=0.9, **path)
+        for step in range(3):
+            for p in params:
+                p.grad = torch.randn(p.shape, generator=gen)
+            if step == 1:
+                p = params[1]
+                saved = p.detach().clone()
+                p.untyped_storage().resize_(0)
+                p.data = torch.empty(size)
+                p.data.copy_(saved)
+                del saved
+            opt.step()
+        runs.append([p.detach().clone() for p in params] + [opt.state[p]["momentum"] for p in params])
+    for a, b in zip(*runs, strict=True):
+        assert torch.equal(a, b)
+
+
 @pytest.mark.parametrize("path", [{"fused": True}, {"foreach": False}], ids=["fused", "loop"])
 def test_slots_made_under_inference_mode_are_ordinary_tensors(path: dict[str, bool]):
     """A parameter whose first gradient came under inference mode gets slots that a later step

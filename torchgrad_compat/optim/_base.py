@@ -1402,8 +1402,9 @@ class _FusedPlan:
     time as a kernel call spends per tensor, and parameters and slots are the
     same memory every step. A plan holds their flat aliases and the
     partition between kernel and loop, and is used again while every
-    parameter and slot has the same ``data_ptr`` and size and every tensor
-    the same contiguity as when it was made. Holding the aliases keeps that
+    parameter and slot has the same ``data_ptr`` and size, every tensor
+    the same contiguity as when it was made, and every alias is where it
+    was (memory freed under it, by ``untyped_storage().resize_(0)``, is not). Holding the aliases keeps that
     memory allocated, so a tensor at the same ``data_ptr`` and size is the
     same bytes, whatever object carries it (a loaded checkpoint's slots or
     ``p.data = ...`` have other addresses, and get a new plan). Gradients
@@ -1429,6 +1430,11 @@ class _FusedPlan:
         # that, but the direct calls skip its guards, so larger rows take the loop.
         largest = _TRITON_ROW_LIMIT if params[0].device.type != "cpu" else math.inf
         fits = [2 <= p.numel() <= largest and all(c) for p, c in zip(params, contiguous, strict=True)]
+        if not all(fits):
+            # The loop's rows are updated before the kernels': one sharing memory with a kernel
+            # row (weights tied through a transpose) would see the updates in another order.
+            for i in _rows_sharing_memory(params, [not f for f in fits]):
+                fits[i] = False
         self.loop_rows = [i for i, f in enumerate(fits) if not f]
         kernel_rows = [i for i, f in enumerate(fits) if f]
         # The last chunk is filled up with kept tensors, one list of them per non-empty list.
@@ -1446,6 +1452,16 @@ class _FusedPlan:
                 for j, lst in enumerate(lists)
             ]
             self.chunks.append(_FusedChunk(rows, flat, fill[1] if last else []))
+        # The aliases of the user's tensors, and where they were: memory freed under them
+        # (``untyped_storage().resize_(0)``, as offloading does) moves them to null.
+        self.aliases = [
+            t
+            for chunk in self.chunks
+            for j, lst in enumerate(chunk.flat)
+            if j != 1
+            for t in lst[: len(chunk.rows)]
+        ]
+        self.alias_addresses = list(map(Tensor.data_ptr, self.aliases))
         self.on_cuda = params[0].device.type == "cuda"
         self.graphs: list[_StepGraph] = []  # the latest first
         # The gradients' addresses at the last steps that replayed no graph, the latest first.
@@ -1530,6 +1546,7 @@ class _FusedPlan:
             or plan.single is not single
             or plan.chunk_size != FUSED_CHUNK
             or plan.signature != signature
+            or list(map(Tensor.data_ptr, plan.aliases)) != plan.alias_addresses
         ):
             _check_rows_fit("parameter", lists[0], signature[1][0])
             for lst in lists[2:]:
@@ -1632,6 +1649,28 @@ def _apart_from_gradients(device: torch.device) -> Iterator[None]:
         return
     with torch.cuda.use_mem_pool(pool, device=device):
         yield
+
+
+def _rows_sharing_memory(params: list[Tensor], marked: list[bool]) -> list[int]:
+    """The rows not ``marked`` whose memory overlaps, directly or through others, a marked row's."""
+    spans = []
+    for i, p in enumerate(params):
+        if p.numel():
+            start = p.data_ptr()
+            extent = 1 + sum((n - 1) * st for n, st in zip(p.shape, p.stride(), strict=True))
+            spans.append((str(p.device), start, start + extent * p.element_size(), i))
+    spans.sort()
+    found: list[int] = []
+    cluster: list[int] = []
+    end, device = -1, ""
+    for dev, start, stop, i in [*spans, ("", -1, -1, -1)]:
+        if dev != device or start >= end:  # a new cluster of overlapping rows begins
+            if any(marked[j] for j in cluster):
+                found.extend(j for j in cluster if not marked[j])
+            cluster, end, device = [], stop, dev
+        cluster.append(i)
+        end = max(end, stop)
+    return found
 
 
 def _check_row_shapes(lists: tuple[list[Tensor], ...]) -> None:
