@@ -35,7 +35,7 @@ import struct
 import sys
 import warnings
 from collections.abc import Callable, Iterable, Iterator, Sequence
-from contextlib import contextmanager, nullcontext
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
@@ -834,16 +834,22 @@ class Optimizer(torch.optim.Optimizer):
                     else _evaluate(self.param_groups[gi], initial_values)
                 )
                 _check_slot_values(values, self._hypers, {p.dtype for p in params})
-        # Made as ordinary tensors even under torch.inference_mode(): an inference tensor could not
-        # be updated by a later step outside it, which would raise after other slots had moved.
-        outside = torch.inference_mode(False) if torch.is_inference_mode_enabled() else nullcontext()
-        with outside:
-            for gi, params in missing.items():
-                group = self.param_groups[gi]
-                for p in params:
-                    slots = self._init_slots(group, p)
-                    if slots:
-                        state[p] = slots
+        if not torch.compiler.is_compiling() and torch.is_inference_mode_enabled():
+            # Made as ordinary tensors: an inference tensor could not be updated by a later step
+            # outside inference mode, which would raise after other slots had moved.
+            with torch.inference_mode(False):
+                self._init_missing_slots(missing)
+        else:
+            self._init_missing_slots(missing)
+
+    def _init_missing_slots(self, missing: dict[int, list[Tensor]]) -> None:
+        state = self.state
+        for gi, params in missing.items():
+            group = self.param_groups[gi]
+            for p in params:
+                slots = self._init_slots(group, p)
+                if slots:
+                    state[p] = slots
 
     def _check_live_non_slot(self, index: int, group: dict[str, Any]) -> None:
         """Check a group's non-slot state as the update is about to read it.
