@@ -10,6 +10,7 @@ from typing import Any, ClassVar
 import torch
 import torch.distributed as dist
 from torch import Tensor
+from torch.distributed.tensor import DTensor
 
 from ..optim._base import (
     _DEVICE_OF,
@@ -677,16 +678,17 @@ def _each_memory_once(tensors: list[Tensor]) -> list[Tensor]:
     kept: dict[tuple[Any, ...], Tensor] = {}
     spans: list[tuple[str, int, int, tuple[Any, ...]]] = []
     for t in tensors:
-        if t.numel() == 0:
+        local = t.to_local() if isinstance(t, DTensor) else t  # (each rank's shard is its memory)
+        start = local.data_ptr() if local.numel() else 0
+        if not start:  # nothing to unscale twice, or no memory of its own to compare (a subclass)
+            kept[len(kept), id(t)] = t
             continue
-        key = (t.device, t.dtype, t.data_ptr(), tuple(t.shape), t.stride())
+        key = (local.device, local.dtype, start, tuple(local.shape), local.stride())
         if key in kept:
             continue
         kept[key] = t
-        size = t.element_size()
-        start = t.data_ptr()
-        end = start + (1 + sum((n - 1) * st for n, st in zip(t.shape, t.stride(), strict=True))) * size
-        spans.append((str(t.device), start, end, key))
+        extent = 1 + sum((n - 1) * st for n, st in zip(local.shape, local.stride(), strict=True))
+        spans.append((str(local.device), start, start + extent * local.element_size(), key))
     spans.sort(key=lambda span: span[:3])
     for (dev_a, _, end_a, _), (dev_b, start_b, _, _) in itertools.pairwise(spans):
         if dev_a == dev_b and start_b < end_a:
