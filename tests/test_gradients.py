@@ -20,6 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+import torchgrad_compat.optim as tgo
 from torchgrad_compat.gradients import (
     AggregationMethod,
     UnconnectedGradients,
@@ -632,3 +633,56 @@ def test_generator_reproduces_the_fixtures(run_tf_generator) -> None:
                 fresh["cases"][case_id], case, rtol=1e-6 if case["dtype"] == "float32" else 1e-12
             )
         assert fresh["cases"].keys() == committed["cases"].keys()
+
+
+def test_compute_gradients_defaults_to_the_parameters_that_require_grad() -> None:
+    """TF's default var_list is the trainable variables: a frozen parameter is left out, as
+    backward(); step() leaves it, also through a wrapper."""
+    from torchgrad_compat.amp import LossScaleOptimizer
+
+    w, frozen = (
+        torch.nn.Parameter(torch.tensor([1.0, 2.0])),
+        torch.nn.Parameter(torch.ones(1), requires_grad=False),
+    )
+    for opt in (
+        tgo.GradientDescentOptimizer([w, frozen], 0.1),
+        LossScaleOptimizer(tgo.GradientDescentOptimizer([w, frozen], 0.1)),
+    ):
+        pairs = opt.compute_gradients(lambda: (3 * w * w).sum() * frozen.sum())
+        assert [v for _, v in pairs] == [w] and torch.equal(pairs[0][0], torch.tensor([6.0, 12.0]))
+    tgo.GradientDescentOptimizer([w, frozen], 0.1).minimize(lambda: (w * w).sum())
+    assert torch.equal(w.detach(), torch.tensor([0.8, 1.6])) and torch.equal(frozen.detach(), torch.ones(1))
+
+
+def test_compute_gradients_refuses_what_tf_refuses() -> None:
+    w = torch.nn.Parameter(torch.tensor([1.0, -3.0]))
+    opt = tgo.GradientDescentOptimizer([w], 0.1)
+    for grad_loss in (torch.tensor([2, 3]), torch.tensor([2.0, 3.0], dtype=torch.float64)):
+        with pytest.raises(
+            TypeError,
+            match=f"grad_loss has dtype {grad_loss.dtype}; it must have the loss's dtype torch.float32",
+        ):
+            opt.compute_gradients(w * w, grad_loss=grad_loss)
+    c = torch.tensor([1.0 + 2.0j], requires_grad=True)
+    with pytest.raises(ValueError, match=r"var_list\[0\] has dtype torch.complex64"):
+        opt.compute_gradients((c.abs() ** 2).sum(), var_list=[c])
+    z = torch.tensor([1.0 + 1.0j, 2.0 - 1.0j], dtype=torch.complex128, requires_grad=True)
+    with pytest.raises(
+        TypeError, match=r"grad_ys\[0\] holds real numbers; ys\[0\] has dtype torch.complex128"
+    ):
+        gradients(z * z, z, grad_ys=[[1.0, 2.0]])
+    (g,) = gradients(z * z, z, grad_ys=[[1.0 + 0j, 2.0]])
+    assert g is not None
+
+
+@pytest.mark.parametrize("what", ["hessians", "hessian_vector_product"])
+def test_second_derivatives_of_a_complex_x_are_refused_as_by_tf(what: str) -> None:
+    """TF differentiates the first derivative without grad_ys: for a complex x it is complex, and
+    TF raises ("Gradients of complex tensors must set grad_ys")."""
+    z = torch.tensor([1.0 + 2.0j, 0.5 - 1.0j], requires_grad=True)
+    y = (z * z.conj()).real.sum()
+    with pytest.raises(TypeError, match=r"xs\[0\] is complex"):
+        if what == "hessians":
+            hessians(y, z)
+        else:
+            hessian_vector_product(y, z, torch.ones(2, dtype=torch.complex64))

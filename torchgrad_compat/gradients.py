@@ -274,6 +274,7 @@ def hessians(
     if create_graph is not None and not isinstance(create_graph, bool):
         raise TypeError(f"create_graph must be None or a bool, got {create_graph!r}")
     xs = _as_tensor_list("xs", xs)
+    _refuse_complex_second_derivatives("hessians", xs)
     if create_graph is None:
         create_graph = torch.is_grad_enabled()
     # The first derivative and the ops on it must be recorded even under torch.no_grad().
@@ -331,6 +332,7 @@ def hessian_vector_product(
     if create_graph is not None and not isinstance(create_graph, bool):
         raise TypeError(f"create_graph must be None or a bool, got {create_graph!r}")
     xs = _as_tensor_list("xs", xs)
+    _refuse_complex_second_derivatives("hessian_vector_product", xs)
     vs = _as_tensor_list("v", v)
     if len(vs) != len(xs):
         raise ValueError(f"xs and v must have the same length, got {len(xs)} xs and {len(vs)} v")
@@ -425,6 +427,10 @@ def _default_grad_ys(grad_ys: Any, ys: list[Tensor]) -> list[Tensor]:
             weights.append(torch.ones_like(y, memory_format=torch.contiguous_format))
             continue
         if not isinstance(w, Tensor):
+            if y.is_complex() and _all_real(w):
+                raise TypeError(
+                    f"grad_ys[{i}] holds real numbers; ys[{i}] has dtype {y.dtype}, so they must be complex"
+                )
             try:
                 w = torch.as_tensor(w, dtype=y.dtype, device=y.device)
             except (TypeError, ValueError, RuntimeError) as e:
@@ -445,6 +451,24 @@ def _default_grad_ys(grad_ys: Any, ys: list[Tensor]) -> list[Tensor]:
             raise ValueError(f"grad_ys[{i}] is on {w.device}, expected ys[{i}]'s device {y.device}")
         weights.append(w.to(y.dtype))
     return weights
+
+
+def _refuse_complex_second_derivatives(caller: str, xs: list[Tensor]) -> None:
+    """TF differentiates the first derivative without ``grad_ys``, which for a complex x is complex
+    and so refused ("Gradients of complex tensors must set grad_ys"): so here."""
+    for i, x in enumerate(xs):
+        if x.is_complex():
+            raise TypeError(
+                f"{caller}: xs[{i}] is complex ({x.dtype}); its first derivative is complex, which "
+                "TensorFlow cannot differentiate again without grad_ys"
+            )
+
+
+def _all_real(value: Any) -> bool:
+    """Whether a number or nested list holds no complex number (as TF would make a real tensor of it)."""
+    if isinstance(value, (list, tuple)):
+        return all(map(_all_real, value))
+    return not isinstance(value, complex)
 
 
 def _undefined_grads(grad_outputs: tuple[Tensor | None, ...]) -> tuple[None, ...]:

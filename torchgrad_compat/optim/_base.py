@@ -565,18 +565,21 @@ class Optimizer(torch.optim.Optimizer):
         colocate_gradients_with_ops: bool = False,
         grad_loss: Tensor | None = None,
     ) -> list[tuple[Tensor | None, Tensor]]:
-        """Gradients of ``loss`` for ``var_list`` (default: every parameter), as ``(grad, var)`` pairs.
+        """Gradients of ``loss`` for ``var_list`` (default: every parameter that requires grad, as
+        TF's default is the trainable variables), as ``(grad, var)`` pairs.
 
         ``loss`` is a tensor or a zero-argument callable returning one; a
         non-scalar loss is summed (TF's default ``grad_ys`` of ones) unless
         ``grad_loss`` is given. A variable ``loss`` does not depend on gets
-        ``None``. Unlike ``backward()``, nothing is accumulated into ``p.grad``.
+        ``None``. Unlike ``backward()``, nothing is accumulated into ``p.grad``,
+        and as by ``backward()`` the loss's graph is freed: to differentiate one
+        loss for two optimizers (a GAN's), pass a callable that computes it.
         ``gate_gradients`` and ``colocate_gradients_with_ops`` are validated and
         have no numerical effect in eager PyTorch.
         """
         return compute_gradients(
             loss,
-            [p for group in self.param_groups for p in group["params"]] if var_list is None else var_list,
+            _trainable(self.param_groups) if var_list is None else var_list,
             gate_gradients=gate_gradients,
             aggregation_method=aggregation_method,
             colocate_gradients_with_ops=colocate_gradients_with_ops,
@@ -1926,6 +1929,11 @@ def _working_precision(
             v.copy_(wide[k])
 
 
+def _trainable(param_groups: list[dict[str, Any]]) -> list[Tensor]:
+    """The parameters that require grad: TF's default ``var_list``, its trainable variables."""
+    return [p for group in param_groups for p in group["params"] if p.requires_grad]
+
+
 def compute_gradients(
     loss: Tensor | Callable[[], Tensor],
     var_list: Sequence[Tensor],
@@ -1958,10 +1966,17 @@ def compute_gradients(
     for i, v in enumerate(var_list):
         if not isinstance(v, Tensor) or not v.requires_grad:
             raise ValueError(f"var_list[{i}] must be a tensor that requires grad, got {_describe(v)}")
+        if v.dtype not in _VALID_DTYPES:
+            # TF's _assert_valid_dtypes: its optimizers take floating variables only.
+            raise ValueError(
+                f"var_list[{i}] has dtype {v.dtype}; the optimizers take {[str(d) for d in _VALID_DTYPES]}"
+            )
     if grad_loss is not None and (not isinstance(grad_loss, Tensor) or grad_loss.shape != loss.shape):
         raise ValueError(
             f"grad_loss must be a tensor of the loss's shape {tuple(loss.shape)}, got {_describe(grad_loss)}"
         )
+    if grad_loss is not None and grad_loss.dtype != loss.dtype:
+        raise TypeError(f"grad_loss has dtype {grad_loss.dtype}; it must have the loss's dtype {loss.dtype}")
     # TF passes gate_gradients=(gate_gradients == GATE_OP) to tf.gradients. Like
     # loss.backward(), the graph is freed and the gradients are plain tensors.
     grads = gradients(

@@ -9,7 +9,7 @@ from typing import Any, ClassVar
 import torch
 from torch import Tensor
 
-from ._base import _check_global_step, _check_grad, _describe, compute_gradients, hooked_update
+from ._base import _check_global_step, _check_grad, _describe, _trainable, compute_gradients, hooked_update
 
 __all__ = ["OptimizerWrapper"]
 
@@ -190,7 +190,8 @@ class OptimizerWrapper(torch.optim.Optimizer):
         }
         if hasattr(self._optimizer, "compute_gradients"):
             return self._optimizer.compute_gradients(loss, var_list=var_list, **kwargs)
-        return compute_gradients(loss, self._all_params() if var_list is None else var_list, **kwargs)
+        var_list = _trainable(self.param_groups) if var_list is None else var_list
+        return compute_gradients(loss, var_list, **kwargs)
 
     def apply_gradients(
         self,
