@@ -79,12 +79,17 @@ def test_step_hooks_fire_once_on_every_update_path(spec: OptimSpec, cid: str):
     assert calls == ["global pre", "pre", "post", "global post"] * 3
 
 
-@pytest.mark.parametrize(
-    "wrap",
-    [lambda opt: LossScaleOptimizer(opt, loss_scale=1.0), CrossShardOptimizer],
-    ids=["LossScaleOptimizer", "CrossShardOptimizer"],
-)
-@pytest.mark.filterwarnings("ignore:CrossShardOptimizer. no torch.distributed process group")
+def by_wrapper(test: Any) -> Any:
+    """Run ``test(wrap)`` around each of this package's wrappers that a torch tool may hold."""
+    test = pytest.mark.filterwarnings("ignore:CrossShardOptimizer. no torch.distributed process group")(test)
+    return pytest.mark.parametrize(
+        "wrap",
+        [lambda opt: LossScaleOptimizer(opt, loss_scale=1.0), CrossShardOptimizer],
+        ids=["LossScaleOptimizer", "CrossShardOptimizer"],
+    )(test)
+
+
+@by_wrapper
 def test_step_hooks_fire_on_a_wrapper_and_on_what_it_wraps(wrap):
     params = _params()
     inner = SPECS[0].make(params)
@@ -266,12 +271,7 @@ def test_state_dict_and_load_state_dict_hooks_fire(spec: OptimSpec, cid: str):
     assert calls == ["sd pre", "sd post", "load pre", "load post"]
 
 
-@pytest.mark.parametrize(
-    "wrap",
-    [lambda opt: LossScaleOptimizer(opt, loss_scale=1.0), CrossShardOptimizer],
-    ids=["LossScaleOptimizer", "CrossShardOptimizer"],
-)
-@pytest.mark.filterwarnings("ignore:CrossShardOptimizer. no torch.distributed process group")
+@by_wrapper
 def test_state_dict_hooks_fire_on_a_wrapper_and_may_replace_what_it_loads(wrap):
     params = _params()
     wrapper = wrap(SPECS[0].make(params))
