@@ -17,6 +17,7 @@ from ..optim._base import (
     _DTYPE_OF,
     LOSS_SCALE_KEY_PREFIX,
     Optimizer,
+    _bytes_spanned,
     _called_from_dcp_init,
     _check_global_step,
     _check_grad,
@@ -534,14 +535,16 @@ class LossScaleOptimizer(OptimizerWrapper):
 
     def _wrapper_state(self) -> dict[str, Any]:
         """The loss scale's ``state_dict()``, keys prefixed ``loss_scale_`` (kept in every param group)."""
-        return {_LOSS_SCALE_PREFIX + k: v for k, v in self._loss_scale.state_dict().items()}
+        return {LOSS_SCALE_KEY_PREFIX + k: v for k, v in self._loss_scale.state_dict().items()}
 
     def _wrapper_keys(self, saved_group: dict[str, Any]) -> set[str]:
         # Whatever loss scale was saved (its class is among the keys); LossScale.load_state_dict judges it.
-        return {k for k in saved_group if k.startswith(_LOSS_SCALE_PREFIX)} or set(self._wrapper_state())
+        return {k for k in saved_group if k.startswith(LOSS_SCALE_KEY_PREFIX)} or set(self._wrapper_state())
 
     def _load_wrapper(self, values: dict[str, Any], per_param: dict[int, dict[str, Any]]) -> None:
-        self._loss_scale.load_state_dict({k.removeprefix(_LOSS_SCALE_PREFIX): v for k, v in values.items()})
+        self._loss_scale.load_state_dict(
+            {k.removeprefix(LOSS_SCALE_KEY_PREFIX): v for k, v in values.items()}
+        )
 
     def _values_from_old_layout(
         self, state_dict: dict[str, Any]
@@ -551,10 +554,7 @@ class LossScaleOptimizer(OptimizerWrapper):
                 "LossScaleOptimizer.load_state_dict: a state dict of the earlier layout must hold "
                 f"'optimizer' and 'loss_scale'; got keys {sorted(state_dict)}"
             )
-        return {_LOSS_SCALE_PREFIX + k: v for k, v in state_dict["loss_scale"].items()}, {}
-
-
-_LOSS_SCALE_PREFIX = LOSS_SCALE_KEY_PREFIX
+        return {LOSS_SCALE_KEY_PREFIX + k: v for k, v in state_dict["loss_scale"].items()}, {}
 
 
 class _StepMarks:
@@ -676,7 +676,7 @@ def _each_memory_once(tensors: list[Tensor]) -> list[Tensor]:
     shared only in part cannot be unscaled once per element in place: refused.
     """
     kept: dict[tuple[Any, ...], Tensor] = {}
-    spans: list[tuple[str, int, int, tuple[Any, ...]]] = []
+    spans: list[tuple[str, int, int]] = []
     for t in tensors:
         local = t.to_local() if isinstance(t, DTensor) else t  # (each rank's shard is its memory)
         start = local.data_ptr() if local.numel() else 0
@@ -687,10 +687,9 @@ def _each_memory_once(tensors: list[Tensor]) -> list[Tensor]:
         if key in kept:
             continue
         kept[key] = t
-        extent = 1 + sum((n - 1) * st for n, st in zip(local.shape, local.stride(), strict=True))
-        spans.append((str(local.device), start, start + extent * local.element_size(), key))
-    spans.sort(key=lambda span: span[:3])
-    for (dev_a, _, end_a, _), (dev_b, start_b, _, _) in itertools.pairwise(spans):
+        spans.append((str(local.device), start, start + _bytes_spanned(local)))
+    spans.sort()
+    for (dev_a, _, end_a), (dev_b, start_b, _) in itertools.pairwise(spans):
         if dev_a == dev_b and start_b < end_a:
             raise ValueError(
                 "LossScaleOptimizer: two gradients share part of their memory (views of one buffer "

@@ -1666,8 +1666,7 @@ def _rows_sharing_memory(params: list[Tensor], marked: list[bool]) -> list[int]:
     for i, p in enumerate(params):
         if p.numel():
             start = p.data_ptr()
-            extent = 1 + sum((n - 1) * st for n, st in zip(p.shape, p.stride(), strict=True))
-            spans.append((str(p.device), start, start + extent * p.element_size(), i))
+            spans.append((str(p.device), start, start + _bytes_spanned(p), i))
     spans.sort()
     found: list[int] = []
     cluster: list[int] = []
@@ -1708,6 +1707,11 @@ def _refuse_inference_rows(lists: tuple[list[Tensor], ...]) -> None:
             )
 
 
+def _bytes_spanned(t: Tensor) -> int:
+    """The bytes from a non-empty tensor's first element to the end of its last (its strides' reach)."""
+    return (1 + sum((n - 1) * st for n, st in zip(t.shape, t.stride(), strict=True))) * t.element_size()
+
+
 def _is_expanded(t: Tensor) -> bool:
     """Whether a dense tensor is an expanded view: a stride of 0 over a dim of more than one element."""
     return any(stride == 0 and size > 1 for stride, size in zip(t.stride(), t.shape, strict=True))
@@ -1727,9 +1731,8 @@ def _check_no_shared_elements(cls: str, slots: list[tuple[str, Tensor]]) -> None
                 f"{cls}: loaded {name} is an expanded view (strides {t.stride()}): its elements share "
                 "memory; pass a contiguous copy"
             )
-        itemsize = t.element_size()
-        start = t.storage_offset() * itemsize
-        end = start + (1 + sum((n - 1) * st for n, st in zip(t.shape, t.stride(), strict=True))) * itemsize
+        start = t.storage_offset() * t.element_size()
+        end = start + _bytes_spanned(t)
         spans.setdefault(t.untyped_storage().data_ptr(), []).append((start, end, name))
     for ranges in spans.values():
         ranges.sort()
