@@ -563,17 +563,20 @@ def _validate(
     for target in targets:
         if target.name in mismatched or target.name in corrupt:
             continue
+        if not target.integer and target.check is None:
+            continue
+        value = reader.read(target.name)
         if target.integer:
             # An int64 counter copied into a narrower integer would wrap (T < 0 for AdagradDA).
-            value, info = int(reader.read(target.name)), torch.iinfo(target.tensor.dtype)
-            if not info.min <= value <= info.max:
+            number, info = int(value), torch.iinfo(target.tensor.dtype)
+            if not info.min <= number <= info.max:
                 mismatched[target.name] = (
-                    f"value {value} does not fit the tensor's dtype {target.tensor.dtype}"
+                    f"value {number} does not fit the tensor's dtype {target.tensor.dtype}"
                 )
                 continue
         if target.check is not None:
             try:
-                target.check(reader.read(target.name))
+                target.check(value)
             except (TypeError, ValueError) as error:
                 mismatched.setdefault(target.name, f"invalid value: {error}")
     if (
@@ -597,28 +600,27 @@ def _ambiguous_non_slot(reader: BundleReader, opt: tgo.Optimizer) -> dict[str, s
     ambiguous = {}
     for cls, keys in _NON_SLOT.items():
         if isinstance(opt, cls):
-            for key in keys:
-                others = sorted(n for n in reader.entries if re.fullmatch(rf"{re.escape(key)}_\d+", n))
-                if key in reader.entries and others:
-                    ambiguous[key] = (
-                        f"ambiguous: the checkpoint also holds {others}, the same state of another "
-                        f"{cls.__name__.removesuffix('Optimizer')} optimizer of the TF graph; pass "
-                        f"non_slot_suffix='' for {key!r}, or the suffix of the others (such as '_1')"
-                    )
+            whose = f"the same state of another {cls.__name__.removesuffix('Optimizer')} optimizer"
+            ambiguous.update(_numbered_twins(reader, keys, whose, "non_slot_suffix"))
     return ambiguous
 
 
 def _ambiguous_loss_scale(reader: BundleReader) -> dict[str, str]:
     """A dynamic loss scale's state that a name-based checkpoint holds for more than one optimizer:
     TF1 names a graph's second one ``current_loss_scale_1`` (see ``_ambiguous_non_slot``)."""
+    keys = ("current_loss_scale", "good_steps")
+    return _numbered_twins(reader, keys, "the loss scale of another optimizer", "loss_scale_suffix")
+
+
+def _numbered_twins(reader: BundleReader, keys: Sequence[str], whose: str, arg: str) -> dict[str, str]:
+    """``{key: why}`` for each key the checkpoint holds beside ``key_1`` (and so on), which are ``whose``."""
     ambiguous = {}
-    for key in ("current_loss_scale", "good_steps"):
-        others = sorted(n for n in reader.entries if re.fullmatch(rf"{key}_\d+", n))
+    for key in keys:
+        others = sorted(n for n in reader.entries if re.fullmatch(rf"{re.escape(key)}_\d+", n))
         if key in reader.entries and others:
             ambiguous[key] = (
-                f"ambiguous: the checkpoint also holds {others}, the loss scale of another optimizer "
-                f"of the TF graph; pass loss_scale_suffix='' for {key!r}, or the suffix of the others "
-                "(such as '_1')"
+                f"ambiguous: the checkpoint also holds {others}, {whose} of the TF graph; pass "
+                f"{arg}='' for {key!r}, or the suffix of the others (such as '_1')"
             )
     return ambiguous
 
