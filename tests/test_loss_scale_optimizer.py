@@ -590,9 +590,11 @@ def test_sparse_gradients_sharing_one_buffer_are_unscaled_once() -> None:
     rows = torch.tensor([[0, 1]])
     w.grad = torch.sparse_coo_tensor(rows, buffer[:2], (4, 3))
     v.grad = torch.sparse_coo_tensor(rows, buffer[1:], (4, 3))
-    with pytest.raises(ValueError, match="share part of their memory"):
+    shared = "p.grad of parameter 0 and p.grad of parameter 1 share part of their memory"
+    with pytest.raises(ValueError, match=shared):
         opt.step()
     assert torch.equal(buffer, torch.ones(3, 3)) and not w.detach().any()
+    assert float(opt.loss_scale()) == 2.0**15
 
 
 def test_complex_gradients_are_unscaled_through_their_real_view() -> None:

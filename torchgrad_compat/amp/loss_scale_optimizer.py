@@ -351,6 +351,9 @@ class LossScaleOptimizer(OptimizerWrapper):
             by_device[grads[0].device] = {dtypes.pop(): grads}
         else:
             unscaled: list[Tensor] = []
+            # Which parameter each gradient is of, for an error (the first, for one shared by two).
+            owner = {id(p.grad): i for i, p in reversed(list(enumerate(self._all_params())))}
+            names = [f"p.grad of parameter {owner[id(g)]}" for g in grads]
             for g in grads:
                 if g.is_sparse:
                     if g.dtype == torch.float16 and not g.is_coalesced():
@@ -360,7 +363,7 @@ class LossScaleOptimizer(OptimizerWrapper):
                     # torch's kernel takes real dtypes: the real view is the same memory.
                     g = torch.view_as_real(g)
                 unscaled.append(g)
-            for g in _each_memory_once(unscaled):
+            for g in _each_memory_once(unscaled, names):
                 by_device.setdefault(g.device, {}).setdefault(g.dtype, []).append(g)
         found_inf = torch.zeros(1, dtype=torch.float32, device=device)
         for grad_device, by_dtype in by_device.items():
@@ -675,7 +678,7 @@ def _each_at_its_own_address(grads: list[Tensor]) -> bool:
     return len(addresses) == len(grads) or addresses == {0}
 
 
-def _each_memory_once(tensors: list[Tensor]) -> list[Tensor]:
+def _each_memory_once(tensors: list[Tensor], names: list[str]) -> list[Tensor]:
     """``tensors`` less those that are the same memory as an earlier one, to be unscaled in place once.
 
     Two sparse gradients can hold one buffer of values: the embeddings of tokens and of positions
@@ -683,8 +686,8 @@ def _each_memory_once(tensors: list[Tensor]) -> list[Tensor]:
     shared only in part cannot be unscaled once per element in place: refused.
     """
     kept: dict[tuple[Any, ...], Tensor] = {}
-    spans: list[tuple[str, int, int]] = []
-    for t in tensors:
+    spans: list[tuple[str, int, int, int]] = []
+    for i, t in enumerate(tensors):
         local = t.to_local() if isinstance(t, DTensor) else t  # (each rank's shard is its memory)
         start = local.data_ptr() if local.numel() else 0
         if not start:  # nothing to unscale twice, or no memory of its own to compare (a subclass)
@@ -694,14 +697,14 @@ def _each_memory_once(tensors: list[Tensor]) -> list[Tensor]:
         if key in kept:
             continue
         kept[key] = t
-        spans.append((str(local.device), start, start + _bytes_spanned(local)))
+        spans.append((str(local.device), start, start + _bytes_spanned(local), i))
     spans.sort()
-    for (dev_a, _, end_a), (dev_b, start_b, _) in itertools.pairwise(spans):
+    for (dev_a, _, end_a, a), (dev_b, start_b, _, b) in itertools.pairwise(spans):
         if dev_a == dev_b and start_b < end_a:
             raise ValueError(
-                "LossScaleOptimizer: two gradients share part of their memory (views of one buffer "
-                "at different offsets), which unscaling in place would divide twice; give each "
-                "parameter a gradient of its own"
+                f"LossScaleOptimizer: {names[a]} and {names[b]} share part of their memory (views "
+                "of one buffer at different offsets), which unscaling in place would divide twice; "
+                "give each parameter a gradient of its own"
             )
     return list(kept.values())
 
