@@ -686,3 +686,10 @@ def test_second_derivatives_of_a_complex_x_are_refused_as_by_tf(what: str) -> No
             hessians(y, z)
         else:
             hessian_vector_product(y, z, torch.ones(2, dtype=torch.complex64))
+
+
+@pytest.mark.parametrize("grad_ys", [[True], [[True, False]]])
+def test_boolean_grad_ys_are_refused_as_a_bool_tensor_is(grad_ys):
+    x = torch.ones(2, requires_grad=True)
+    with pytest.raises(TypeError, match=r"grad_ys\[0\] has dtype torch.bool"):
+        gradients([x * 2], [x], grad_ys=grad_ys)

@@ -590,10 +590,27 @@ def test_sparse_gradients_sharing_one_buffer_are_unscaled_once() -> None:
     rows = torch.tensor([[0, 1]])
     w.grad = torch.sparse_coo_tensor(rows, buffer[:2], (4, 3))
     v.grad = torch.sparse_coo_tensor(rows, buffer[1:], (4, 3))
-    shared = "p.grad of parameter 0 and p.grad of parameter 1 share part of their memory"
+    shared = "p.grad of parameter 0 and p.grad of parameter 1 share memory"
     with pytest.raises(ValueError, match=shared):
         opt.step()
     assert torch.equal(buffer, torch.ones(3, 3)) and not w.detach().any()
+    assert float(opt.loss_scale()) == 2.0**15
+
+
+@pytest.mark.parametrize("dense", [True, False], ids=["dense", "sparse"])
+def test_a_gradient_in_a_parameters_memory_is_refused(dense: bool) -> None:
+    """Unscaling in place would divide the parameter itself, on a skipped step too."""
+    w, v = nn.Parameter(torch.ones(4, 3)), nn.Parameter(torch.ones(4, 3))
+    opt = LossScaleOptimizer(tgo.GradientDescentOptimizer([w, v], 0.1))
+    opt.get_scaled_loss(w.sum() + v.sum()).backward()
+    if dense:
+        w.grad = v.detach()
+    else:
+        w.grad = torch.sparse_coo_tensor(torch.tensor([[0, 1]]), v.detach()[2:], (4, 3))
+    v.grad[0, 0] = math.inf
+    with pytest.raises(ValueError, match="p.grad of parameter 0 and parameter 1 share memory"):
+        opt.step()
+    assert torch.equal(v.detach(), torch.ones(4, 3)) and torch.equal(w.detach(), torch.ones(4, 3))
     assert float(opt.loss_scale()) == 2.0**15
 
 

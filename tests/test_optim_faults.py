@@ -6,6 +6,7 @@ a learning rate written into a group, sparse rows out of range, loaded state.
 
 from __future__ import annotations
 
+import copy
 import math
 
 import pytest
@@ -136,3 +137,135 @@ def test_loaded_non_slot_state_is_range_checked(cls, key, bad):
     with pytest.raises(ValueError, match=f"Invalid {key} value"):
         fresh.load_state_dict(sd)
     assert not fresh.state and fresh.param_groups[0]["lr"] == 0.5
+
+
+def _snapshot(opt) -> list[torch.Tensor]:
+    """Every parameter, slot and non-slot tensor of ``opt``, cloned."""
+    out = [p.detach().clone() for g in opt.param_groups for p in g["params"]]
+    out += [v.clone() for s in opt.state.values() for v in s.values() if isinstance(v, torch.Tensor)]
+    out += [v.clone() for g in opt.param_groups for v in g.values() if isinstance(v, torch.Tensor)]
+    return out
+
+
+def _unchanged(opt, before: list[torch.Tensor]) -> bool:
+    return all(torch.equal(a, b) for a, b in zip(_snapshot(opt), before, strict=True))
+
+
+@pytest.mark.parametrize("cls", [tgo.GradientDescentOptimizer, tgo.AdamOptimizer])
+def test_a_parameter_listed_twice_is_refused(cls):
+    # torch only warns, and the step would update it twice.
+    p, q = torch.ones(3, requires_grad=True), torch.ones(3, requires_grad=True)
+    with pytest.raises(ValueError, match="parameter 2 of the group is parameter 0 again"):
+        cls([p, q, p], learning_rate=0.1)
+    opt = cls([q], learning_rate=0.1)
+    with pytest.raises(ValueError, match="parameter 1 of the group is parameter 0 again"):
+        opt.add_param_group({"params": [p, p]})
+    assert len(opt.param_groups) == 1
+
+
+def test_parameters_a_step_cannot_update_in_place_are_refused_at_construction():
+    with torch.inference_mode():
+        made_in_inference = torch.ones(3)
+    with pytest.raises(ValueError, match="parameter 1 of the group is an inference tensor"):
+        tgo.AdamOptimizer([torch.ones(3, requires_grad=True), made_in_inference], learning_rate=0.1)
+    expanded = torch.ones(1, requires_grad=True).expand(3)
+    with pytest.raises(ValueError, match=r"parameter 0 of the group is an expanded view \(strides \(0,\)\)"):
+        tgo.GradientDescentOptimizer([expanded], learning_rate=0.1)
+
+
+@pytest.mark.parametrize("kind", ["meta", "inference"])
+def test_a_global_step_that_cannot_be_incremented_is_refused_before_the_update(kind):
+    if kind == "meta":
+        step = torch.zeros((), dtype=torch.int64, device="meta")
+    else:
+        with torch.inference_mode():
+            step = torch.zeros((), dtype=torch.int64)
+    p, g = _pair()
+    opt = tgo.AdamOptimizer([p], learning_rate=0.1)
+    opt.apply_gradients([(g, p)])
+    before = _snapshot(opt)
+    with pytest.raises(ValueError, match="Invalid global_step value"):
+        opt.apply_gradients([(g, p)], global_step=step)
+    assert _unchanged(opt, before)
+
+
+def test_adagrad_da_refuses_a_negative_global_step_before_any_update():
+    p, g = _pair()
+    with pytest.raises(ValueError, match=r"Invalid global_step value: -1; expected >= 0"):
+        tgo.AdagradDAOptimizer([p], learning_rate=0.1, global_step=torch.tensor(-1))
+    step = torch.tensor(3)
+    opt = tgo.AdagradDAOptimizer([p], learning_rate=0.1, global_step=step)
+    p.grad = g
+    opt.step()
+    before = _snapshot(opt)
+    step.fill_(-2)
+    with pytest.raises(ValueError, match=r"Invalid global_step value: -2; expected >= 0"):
+        opt.step()
+    assert _unchanged(opt, before)
+
+
+@pytest.mark.parametrize("cls", [tgo.AdamOptimizer, tgo.AdagradOptimizer, tgo.FtrlOptimizer])
+def test_a_sparse_gradient_marked_coalesced_with_duplicate_rows_is_refused(cls):
+    # coalesce() trusts the mark: the duplicate rows would each be applied as if alone.
+    p = torch.ones(4, 2, requires_grad=True)
+    opt = cls([p], learning_rate=0.1)
+    p.grad = torch.sparse_coo_tensor(torch.tensor([[1, 1]]), torch.ones(2, 2), (4, 2), is_coalesced=True)
+    with pytest.raises(ValueError, match="marked coalesced, but its row indices are not sorted and unique"):
+        opt.step()
+    assert torch.equal(p.detach(), torch.ones(4, 2)) and not opt.state
+    # The same rows unmarked are summed, as TF sums duplicate indices.
+    p.grad = torch.sparse_coo_tensor(torch.tensor([[1, 1]]), torch.ones(2, 2), (4, 2))
+    opt.step()
+    q = torch.ones(4, 2, requires_grad=True)
+    reference = cls([q], learning_rate=0.1)
+    q.grad = torch.sparse_coo_tensor(torch.tensor([[1]]), torch.full((1, 2), 2.0), (4, 2))
+    reference.step()
+    assert torch.equal(p.detach(), q.detach())
+
+
+def test_a_sparse_tensor_hyperparameter_is_refused():
+    p, _ = _pair()
+    lr = torch.tensor(0.1).to_sparse()
+    with pytest.raises(TypeError, match="learning_rate given as a tensor must be dense"):
+        tgo.AdamOptimizer([p], learning_rate=lr)
+    opt = tgo.AdamOptimizer([p], learning_rate=0.1)
+    opt.param_groups[0]["epsilon"] = torch.tensor(1e-8).to_sparse()
+    p.grad = torch.ones(3)
+    with pytest.raises(TypeError, match="epsilon given as a tensor must be dense"):
+        opt.step()
+    assert torch.equal(p.detach(), torch.ones(3))
+
+
+def test_an_int_too_large_for_a_float_is_named():
+    p, _ = _pair()
+    with pytest.raises(ValueError, match="Invalid learning_rate value: an int of 1329 bits"):
+        tgo.GradientDescentOptimizer([p], learning_rate=10**400)
+
+
+def test_adam_betas_that_require_grad_give_beta_powers_outside_autograd():
+    p, g = _pair()
+    beta1 = torch.tensor(0.9, requires_grad=True)
+    opt = tgo.AdamOptimizer([p], learning_rate=0.1, beta1=beta1)
+    opt.apply_gradients([(g, p)])
+    assert opt.param_groups[0]["beta1_power"].grad_fn is None
+    state = copy.deepcopy(opt.state_dict())
+    assert float(state["param_groups"][0]["beta1_power"]) == pytest.approx(0.81)
+
+
+def test_a_loaded_slot_that_overflows_the_parameters_dtype_is_refused():
+    # torch casts loaded slots to the parameter's dtype: float64 1e39 would become inf in float32.
+    p, g = _pair()
+    opt = tgo.AdamOptimizer([p], learning_rate=0.1)
+    p.grad = g
+    opt.step()
+    state = copy.deepcopy(opt.state_dict())  # (its slot dicts are the optimizer's own)
+    before = _snapshot(opt)
+    state["state"][0]["m"] = torch.full((3,), 1e39, dtype=torch.float64)
+    with pytest.raises(
+        ValueError, match=r"slot 'm' of parameter 0 \(torch.float64\) holds finite values that overflow"
+    ):
+        opt.load_state_dict(state)
+    assert _unchanged(opt, before)
+    state["state"][0]["m"] = torch.full((3,), 0.5, dtype=torch.float64)
+    opt.load_state_dict(state)  # a float64 slot that fits loads (cast, as torch does)
+    assert opt.state[p]["m"].dtype == torch.float32

@@ -255,7 +255,7 @@ def test_load_state_dict_rejects_what_does_not_fit(spec: OptimSpec, cid: str):
         (
             "one tensor as two slots",
             ValueError,
-            r"slot 'm' of parameter 1 and slot 'v' of parameter 1 share memory",
+            r"slot 'm' of parameter 1 and loaded slot 'v' of parameter 1 share memory",
         ),
     ],
 )

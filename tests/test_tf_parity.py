@@ -219,3 +219,65 @@ def test_generator_reproduces_the_fixtures(run_tf_generator) -> None:
             np.testing.assert_allclose(
                 regenerated[key], value, rtol=rtol, atol=atol, err_msg=f"{prefix}{key}"
             )
+
+
+# TF converts a Python number hyperparameter to float32, but a tensor keeps its dtype: a float64
+# tensor reaches a float64 variable unrounded (Ftrl's effective L2 is then computed in float64).
+_F64_HYPER_CASES: dict[str, tuple[str, dict[str, float], dict[str, float]]] = {
+    # optimizer: (class, hyperparameters given as float64 tensors, given as Python numbers)
+    "gd": ("GradientDescentOptimizer", {"learning_rate": 0.1}, {}),
+    "momentum": ("MomentumOptimizer", {"learning_rate": 0.1, "momentum": 0.9}, {}),
+    "adagrad": ("AdagradOptimizer", {"learning_rate": 0.1}, {}),
+    "rmsprop": (
+        "RMSPropOptimizer",
+        {"learning_rate": 0.1, "decay": 0.9, "momentum": 0.3, "epsilon": 1e-7},
+        {},
+    ),
+    # (TF's Ftrl takes only its learning rate as a tensor.)
+    "ftrl": ("FtrlOptimizer", {"learning_rate": 0.1}, {"l2_regularization_strength": 0.01, "beta": 0.3}),
+}
+_F64_HYPER_TF = """
+import json, sys
+import numpy as np
+import tensorflow.compat.v1 as tf
+tf.disable_eager_execution()
+cases, grads = json.loads(sys.argv[1]), np.array(json.loads(sys.argv[2]))
+out = {}
+for key, (cls, tensors, numbers) in cases.items():
+    with tf.Graph().as_default(), tf.Session() as sess:
+        var = tf.Variable(np.linspace(-1.0, 1.0, grads.shape[1]), dtype=tf.float64)
+        g = tf.placeholder(tf.float64, var.shape)
+        opt = getattr(tf.train, cls)(**{k: tf.constant(v, tf.float64) for k, v in tensors.items()}, **numbers)
+        op = opt.apply_gradients([(g, var)])
+        sess.run(tf.global_variables_initializer())
+        for row in grads:
+            sess.run(op, {g: row})
+        out[key] = sess.run(var).tolist()
+print(json.dumps(out))
+"""
+
+
+@pytest.mark.tf_live
+def test_float64_tensor_hyperparameters_keep_their_precision_as_in_tensorflow(tf_python: str) -> None:
+    import os
+    import subprocess
+
+    grads = np.random.default_rng(0).normal(size=(3, 5))
+    result = subprocess.run(
+        [tf_python, "-c", _F64_HYPER_TF, json.dumps(_F64_HYPER_CASES), json.dumps(grads.tolist())],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2"},
+    )
+    assert result.returncode == 0, result.stderr[-4000:]
+    theirs = json.loads(result.stdout.strip().splitlines()[-1])
+    for key, (cls, tensors, numbers) in _F64_HYPER_CASES.items():
+        for fused in (None, True):
+            var = torch.linspace(-1.0, 1.0, grads.shape[1], dtype=torch.float64).requires_grad_()
+            hypers = {k: torch.tensor(v, dtype=torch.float64) for k, v in tensors.items()}
+            opt = getattr(tgo, cls)([var], **hypers, **numbers, fused=fused)
+            for row in grads:
+                var.grad = torch.tensor(row)
+                opt.step()
+            np.testing.assert_allclose(var.detach().numpy(), theirs[key], rtol=1e-12, atol=0, err_msg=key)

@@ -432,7 +432,9 @@ def _default_grad_ys(grad_ys: Any, ys: list[Tensor]) -> list[Tensor]:
                     f"grad_ys[{i}] holds real numbers; ys[{i}] has dtype {y.dtype}, so they must be complex"
                 )
             try:
-                w = torch.as_tensor(w, dtype=y.dtype, device=y.device)
+                # Booleans are refused below, as a bool tensor is: their dtype is read before the cast.
+                given = torch.as_tensor(w)
+                w = given if given.dtype == torch.bool else torch.as_tensor(w, dtype=y.dtype, device=y.device)
             except (TypeError, ValueError, RuntimeError) as e:
                 raise TypeError(
                     f"grad_ys[{i}] must be None, a tensor or a number / nested list, "

@@ -19,7 +19,7 @@ from typing import Any, ClassVar
 import torch
 from torch import Tensor
 
-from ..optim._base import check_range
+from ..optim._base import check_range, python_float
 
 __all__ = ["DynamicLossScale", "FixedLossScale", "LossScale", "as_loss_scale", "found_non_finite"]
 
@@ -362,7 +362,7 @@ def _largest_magnitudes(tensors: list[Tensor], device: torch.device) -> tuple[Te
 def _number(arg: str, value: Any) -> float:
     if isinstance(value, bool) or not isinstance(value, numbers.Real):
         raise TypeError(f"{arg} must be a Python number, got {type(value).__name__}: {value!r}")
-    return float(value)
+    return python_float(arg, value)
 
 
 def _checked_fixed_value(arg: str, value: Any) -> float:

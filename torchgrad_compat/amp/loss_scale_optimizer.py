@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import contextlib
-import itertools
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any, ClassVar
 
@@ -346,7 +345,7 @@ class LossScaleOptimizer(OptimizerWrapper):
             and len(dtypes) == 1
             and len(set(map(_DEVICE_OF, grads))) == 1
             and not grads[0].is_complex()
-            and _each_at_its_own_address(grads)
+            and _each_at_its_own_address(grads, params)
         ):
             by_device[grads[0].device] = {dtypes.pop(): grads}
         else:
@@ -363,7 +362,7 @@ class LossScaleOptimizer(OptimizerWrapper):
                     # torch's kernel takes real dtypes: the real view is the same memory.
                     g = torch.view_as_real(g)
                 unscaled.append(g)
-            for g in _each_memory_once(unscaled, names):
+            for g in _each_memory_once(unscaled, names, params):
                 by_device.setdefault(g.device, {}).setdefault(g.dtype, []).append(g)
         found_inf = torch.zeros(1, dtype=torch.float32, device=device)
         for grad_device, by_dtype in by_device.items():
@@ -671,22 +670,27 @@ def _every_state_exists(
     )
 
 
-def _each_at_its_own_address(grads: list[Tensor]) -> bool:
-    """Whether dense gradients start at distinct addresses, or all have none of their own (DTensors,
-    whose local shards FSDP2 makes as views of one buffer that do not overlap). 0.06 ms per 1000."""
+def _each_at_its_own_address(grads: list[Tensor], params: list[Tensor]) -> bool:
+    """Whether dense gradients start at distinct addresses, none of them a parameter's, or all have
+    none of their own (DTensors, whose local shards FSDP2 makes as views of one buffer that do not
+    overlap). 0.1 ms per 1000."""
     addresses = set(map(Tensor.data_ptr, grads))
-    return len(addresses) == len(grads) or addresses == {0}
+    if addresses == {0}:
+        return True
+    return len(addresses) == len(grads) and addresses.isdisjoint(map(Tensor.data_ptr, params))
 
 
-def _each_memory_once(tensors: list[Tensor], names: list[str]) -> list[Tensor]:
+def _each_memory_once(tensors: list[Tensor], names: list[str], params: list[Tensor]) -> list[Tensor]:
     """``tensors`` less those that are the same memory as an earlier one, to be unscaled in place once.
 
     Two sparse gradients can hold one buffer of values: the embeddings of tokens and of positions
     summed into one input (as transformers do) each get a view of the sum's gradient. Memory
-    shared only in part cannot be unscaled once per element in place: refused.
+    shared only in part cannot be unscaled once per element in place, and memory of a parameter
+    (``p.grad = p.detach()``) would change the parameter, on a skipped step too: refused.
     """
     kept: dict[tuple[Any, ...], Tensor] = {}
-    spans: list[tuple[str, int, int, int]] = []
+    # (device, start, end, is a parameter, index); parameters may share memory among themselves.
+    spans: list[tuple[str, int, int, bool, int]] = []
     for i, t in enumerate(tensors):
         local = t.to_local() if isinstance(t, DTensor) else t  # (each rank's shard is its memory)
         start = local.data_ptr() if local.numel() else 0
@@ -697,15 +701,32 @@ def _each_memory_once(tensors: list[Tensor], names: list[str]) -> list[Tensor]:
         if key in kept:
             continue
         kept[key] = t
-        spans.append((str(local.device), start, start + _bytes_spanned(local), i))
+        spans.append((str(local.device), start, start + _bytes_spanned(local), False, i))
+    for j, p in enumerate(params):
+        local = p.to_local() if isinstance(p, DTensor) else p
+        if local.numel() and local.layout == torch.strided and (start := local.data_ptr()):
+            spans.append((str(local.device), start, start + _bytes_spanned(local), True, j))
     spans.sort()
-    for (dev_a, _, end_a, a), (dev_b, start_b, _, b) in itertools.pairwise(spans):
-        if dev_a == dev_b and start_b < end_a:
-            raise ValueError(
-                f"LossScaleOptimizer: {names[a]} and {names[b]} share part of their memory (views "
-                "of one buffer at different offsets), which unscaling in place would divide twice; "
-                "give each parameter a gradient of its own"
-            )
+    # A sweep in address order: each span against the furthest reach of the gradients and of the
+    # parameters before it on its device.
+    reach: dict[tuple[str, bool], tuple[int, int]] = {}
+    for device, start, end, is_param, i in spans:
+        for other in (False,) if is_param else (False, True):
+            far, j = reach.get((device, other), (0, -1))
+            if start < far:
+                if is_param:
+                    first, second = names[j], f"parameter {i}"
+                elif other:
+                    first, second = names[i], f"parameter {j}"
+                else:
+                    first, second = names[j], names[i]
+                raise ValueError(
+                    f"LossScaleOptimizer: {first} and {second} share memory, which unscaling in place "
+                    "would change twice or change a parameter (on a skipped step too); give each "
+                    "parameter a gradient of its own"
+                )
+        if end > reach.get((device, is_param), (0, -1))[0]:
+            reach[device, is_param] = (end, i)
     return list(kept.values())
 
 

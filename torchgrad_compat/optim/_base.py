@@ -154,10 +154,11 @@ class Hyper:
     def check(self, value: Any, dtypes: Iterable[torch.dtype] = ()) -> None:
         """Check ``value``'s type and range, as given and as the update sees it.
 
-        Every hyperparameter reaches the update as a float32 scalar (TF's
-        conversion, see ``HyperScalars``), whatever the parameter dtype: a value
-        in range as a Python float can leave it there (``1e39`` becomes inf,
-        ``1 - 1e-10`` becomes 1.0), so the rounded value is checked too. A
+        A hyperparameter reaches the update as a float32 scalar (TF's
+        conversion, see ``HyperScalars``; a float64 tensor keeps its precision
+        for float64 parameters): a value in range as a Python float can leave
+        it there (``1e39`` becomes inf, ``1 - 1e-10`` becomes 1.0), so the value
+        rounded to float32 is checked too, for a float64 tensor as well. A
         slot's initial value is checked in ``dtypes``, those of the parameters
         whose slots it fills.
         """
@@ -213,13 +214,24 @@ def _to_float(arg: str, value: Any) -> float:
     if isinstance(value, Tensor):
         if not value.is_floating_point():
             raise TypeError(f"{arg} given as a tensor must be floating point, got dtype {value.dtype}")
+        if value.layout != torch.strided:
+            raise TypeError(f"{arg} given as a tensor must be dense (strided), got layout {value.layout}")
         if value.dim() != 0:
             # torch.optim raises ValueError for a tensor lr that is not one element.
             raise ValueError(f"Invalid {arg} value: {value!r}; expected a 0-d tensor")
         if value.is_meta:
             raise ValueError(f"Invalid {arg} value: {value!r}; a meta tensor holds no number to train with")
+        return float(value.detach())
+    return python_float(arg, value)
+
+
+def python_float(arg: str, value: Any) -> float:
+    """``float(value)`` of a Python number, with an error naming ``arg`` for an int too large for a float."""
+    try:
         return float(value)
-    return float(value)
+    except OverflowError:
+        bits = value.bit_length()
+        raise ValueError(f"Invalid {arg} value: an int of {bits} bits, too large for a float") from None
 
 
 def float32_tensor(value: float | Tensor, device: torch.device) -> Tensor:
@@ -242,11 +254,12 @@ def float32_tensor(value: float | Tensor, device: torch.device) -> Tensor:
 class HyperScalars:
     """The hyperparameters of one param group as 0-d tensors of one dtype and device.
 
-    TensorFlow converts every hyperparameter to a float32 tensor and then casts it
-    to the variable's dtype; every scalar expression in a kernel (``1 - beta1``)
-    is then evaluated in that dtype. ``hyper.beta1`` reproduces that rounding:
-    float32 first, then the parameter dtype, on the parameter's device, so the
-    update math needs no host synchronisation.
+    TensorFlow converts every hyperparameter to a tensor (a Python number to
+    float32; a tensor keeps its dtype) and then casts it to the variable's
+    dtype; every scalar expression in a kernel (``1 - beta1``) is then
+    evaluated in that dtype. ``hyper.beta1`` reproduces that rounding: float32
+    first (except for a float64 tensor), then the parameter dtype, on the
+    parameter's device, so the update math needs no host synchronisation.
     """
 
     def __init__(self, values: dict[str, Any], dtype: torch.dtype, device: torch.device):
@@ -266,7 +279,10 @@ class HyperScalars:
         return cache[name]
 
     def tensor(self, value: float | Tensor) -> Tensor:
-        """``value`` rounded to float32, then cast to this dtype and device."""
+        """``value`` rounded to float32 (a float64 tensor keeps its precision), then cast to this
+        dtype and device."""
+        if isinstance(value, Tensor) and value.dtype == torch.float64:
+            return value.to(device=self.device, dtype=self.dtype)
         return float32_tensor(value, self.device).to(self.dtype)
 
     @property
@@ -378,7 +394,26 @@ class Optimizer(torch.optim.Optimizer):
             spec.check(group[spec.key], dtypes)
         _check_path_flags(group)
         name = type(self).__name__
-        for p in params:
+        first_at: dict[int, int] = {}
+        for i, p in enumerate(params):
+            if isinstance(p, Tensor) and first_at.setdefault(id(p), i) != i:
+                # torch only warns; a parameter listed twice would be updated twice per step.
+                raise ValueError(
+                    f"{name}: parameter {i} of the group is parameter {first_at[id(p)]} again; list "
+                    "each parameter once (it would be updated twice per step)"
+                )
+            if isinstance(p, Tensor) and p.is_inference():
+                raise ValueError(
+                    f"{name}: parameter {i} of the group is an inference tensor (made under "
+                    "torch.inference_mode()), which a step cannot update in place; make it outside "
+                    "inference mode, or clone it there"
+                )
+            if isinstance(p, Tensor) and p.layout == torch.strided and _is_expanded(p):
+                raise ValueError(
+                    f"{name}: parameter {i} of the group is an expanded view (strides {p.stride()}): "
+                    "its elements share memory, which an in-place update cannot write; pass a "
+                    "contiguous copy"
+                )
             if isinstance(p, Tensor) and p.is_complex():
                 raise ValueError(f"{name} does not support complex parameters (got dtype {p.dtype})")
             if isinstance(p, Tensor) and p.dtype not in _VALID_DTYPES:
@@ -775,7 +810,13 @@ class Optimizer(torch.optim.Optimizer):
                         f"{cls}: loaded slot {slot!r} of parameter {pid} must be a dense (strided) "
                         f"tensor, got layout {value.layout}"
                     )
-                loaded.append((f"slot {slot!r} of parameter {pid}", value))
+                if value.dtype != p.dtype and not value.is_meta and _overflows(value, p.dtype):
+                    # torch casts a loaded slot to its parameter's dtype; the cast would make the inf.
+                    raise ValueError(
+                        f"{cls}: loaded slot {slot!r} of parameter {pid} ({value.dtype}) holds finite "
+                        f"values that overflow the parameter's dtype {p.dtype}, into which it is loaded"
+                    )
+                loaded.append((f"loaded slot {slot!r} of parameter {pid}", value))
         _check_no_shared_elements(cls, loaded)
         for i, (saved, group) in enumerate(zip(saved_groups, self.param_groups, strict=True)):
             missing = [key for key in self._non_slot_keys if key not in saved]
@@ -1712,23 +1753,30 @@ def _bytes_spanned(t: Tensor) -> int:
     return (1 + sum((n - 1) * st for n, st in zip(t.shape, t.stride(), strict=True))) * t.element_size()
 
 
+def _overflows(t: Tensor, dtype: torch.dtype) -> bool:
+    """Whether some finite value of ``t`` becomes infinite cast to ``dtype`` (one host read)."""
+    return bool((torch.isfinite(t) & ~torch.isfinite(t.to(dtype))).any())
+
+
 def _is_expanded(t: Tensor) -> bool:
     """Whether a dense tensor is an expanded view: a stride of 0 over a dim of more than one element."""
     return any(stride == 0 and size > 1 for stride, size in zip(t.stride(), t.shape, strict=True))
 
 
-def _check_no_shared_elements(cls: str, slots: list[tuple[str, Tensor]]) -> None:
-    """Refuse loaded slots that share memory, within one (an expanded view) or with another:
-    the update writes each element once, and torch refuses the in-place ops halfway through."""
+def _check_no_shared_elements(cls: str, targets: list[tuple[str, Tensor]]) -> None:
+    """Refuse tensors about to be written that share memory, within one (an expanded view) or with
+    another: loaded slots (the update writes each element once, and torch refuses the in-place ops
+    halfway through) and the targets of a checkpoint load (the later copy would overwrite the
+    earlier)."""
     spans: dict[int, list[tuple[int, int, str]]] = {}
-    for name, t in slots:
+    for name, t in targets:
         if isinstance(t, DTensor):
             t = t.to_local()  # each rank's shard is its own memory
         if t.is_meta or t.numel() == 0:
             continue
         if _is_expanded(t):
             raise ValueError(
-                f"{cls}: loaded {name} is an expanded view (strides {t.stride()}): its elements share "
+                f"{cls}: {name} is an expanded view (strides {t.stride()}): its elements share "
                 "memory; pass a contiguous copy"
             )
         start = t.storage_offset() * t.element_size()
@@ -1738,7 +1786,7 @@ def _check_no_shared_elements(cls: str, slots: list[tuple[str, Tensor]]) -> None
         ranges.sort()
         for (_, end, first), (start, _, second) in itertools.pairwise(ranges):
             if start < end:
-                raise ValueError(f"{cls}: loaded {first} and {second} share memory; each slot needs its own")
+                raise ValueError(f"{cls}: {first} and {second} share memory; each needs its own")
 
 
 def _check_rows_fit(what: str, rows: list[Tensor], numels: list[int], every_step: bool = False) -> None:
@@ -2164,17 +2212,28 @@ def _check_rows(cls: str, g: Tensor, p: Tensor) -> None:
     (``check_invariants=False``), and an index past the end fails only inside
     the update, after other parameters were changed. Reading the bounds is one
     host synchronisation per sparse gradient; the sparse path already pays one
-    to coalesce.
+    to coalesce. A gradient marked coalesced must also have its rows sorted and unique:
+    ``coalesce()`` trusts the mark, and duplicate rows would then be updated as if
+    each came alone (one pass over the indices, in the same read).
     """
     rows = g._indices()[0]
     if rows.numel() == 0:
         return
-    low, high = (int(x) for x in torch.stack(torch.aminmax(rows)).tolist())
+    checks = [*torch.aminmax(rows)]
+    if g.is_coalesced():
+        checks.append((rows[1:] <= rows[:-1]).any().to(rows.dtype))
+    low, high, *unsorted = (int(x) for x in torch.stack(checks).tolist())
     if low < 0 or high >= p.shape[0]:
         bad = low if low < 0 else high
         raise ValueError(
             f"{cls}: sparse gradient row index {bad} is out of range for variable {_describe(p)} "
             f"(valid rows: 0 to {p.shape[0] - 1})"
+        )
+    if any(unsorted):
+        raise ValueError(
+            f"{cls}: sparse gradient for variable {_describe(p)} is marked coalesced, but its row "
+            "indices are not sorted and unique; build it without is_coalesced=True (or call "
+            "coalesce() on an unmarked one)"
         )
 
 
@@ -2189,6 +2248,13 @@ def _check_global_step(global_step: Any) -> None:
         raise TypeError(
             "global_step must be a 0-d int32 or int64 tensor (as TensorFlow's), got "
             f"{_describe(global_step)}; a narrower integer wraps around during training"
+        )
+    if global_step.is_meta:
+        raise ValueError(f"Invalid global_step value: {_describe(global_step)}; a meta tensor holds no count")
+    if global_step.is_inference() and not torch.is_inference_mode_enabled():
+        raise ValueError(
+            f"Invalid global_step value: {_describe(global_step)} is an inference tensor (made under "
+            "torch.inference_mode()), which cannot be incremented in place outside inference mode"
         )
 
 

@@ -119,6 +119,7 @@ class AdagradDAOptimizer(Optimizer):
     ):
         if global_step is not None:
             _check_global_step(global_step)
+            _check_step_count(global_step)
         # Set before the base class adds the param groups: _init_non_slot reads it.
         self._global_step = global_step
         defaults = {
@@ -130,6 +131,14 @@ class AdagradDAOptimizer(Optimizer):
             "fused": fused,
         }
         super().__init__(params, defaults)
+
+    def _apply(self, grouped):
+        # The caller's global_step is read again before every step where that is cheap (on the
+        # CPU; an accelerator's would stall it), as hyperparameters are.
+        step = self._global_step
+        if step is not None and step.device.type == "cpu" and not torch.compiler.is_compiling():
+            _check_step_count(step)
+        super()._apply(grouped)
 
     def _init_slots(self, group, p):
         return {
@@ -189,6 +198,16 @@ class AdagradDAOptimizer(Optimizer):
     def _finish(self, group, non_slot, values):
         if self._global_step is None:
             self._advance(non_slot, "global_step", torch.add, 1)
+
+
+def _check_step_count(global_step: Tensor) -> None:
+    """Refuse a negative ``global_step``: the update's ``T = global_step + 1`` must be at least 1."""
+    value = int(global_step)
+    if value < 0:
+        raise ValueError(
+            f"Invalid global_step value: {value}; expected >= 0 (AdagradDA's step T = global_step + 1 "
+            "must be at least 1)"
+        )
 
 
 def adagrad_da(

@@ -174,7 +174,7 @@ class AdamOptimizer(Optimizer):
     def _init_non_slot(self, group, device):
         def power(beta: Any) -> Tensor:
             beta = beta() if callable(beta) and not isinstance(beta, Tensor) else beta
-            return torch.as_tensor(beta, dtype=torch.float32, device=device).clone()
+            return torch.as_tensor(beta, dtype=torch.float32, device=device).detach().clone()
 
         return {"beta1_power": power(group["beta1"]), "beta2_power": power(group["beta2"])}
 

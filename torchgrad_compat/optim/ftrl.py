@@ -22,7 +22,7 @@ class FtrlOptimizer(Optimizer):
     ``l2_shrinkage_regularization_strength``, ``a`` the ``accum`` slot, ``l``
     the ``linear`` slot and TF's effective L2 strength
     :math:`\lambda_2 = l_2 + \beta / (2\max(\eta, 10^{-36}))` (``l2_regularization_strength``
-    and ``beta``, evaluated in float32):
+    and ``beta``, evaluated in float32, or in float64 when one of them is a float64 tensor):
 
     .. math::
         n &= a + g^2 \\
@@ -196,13 +196,18 @@ def _scalars(hyper: HyperScalars) -> dict[str, Tensor | None]:
 
 
 def _adjusted_l2(hyper: HyperScalars) -> Tensor:
-    """TF's effective L2, ``l2 + beta / (2 * max(lr, 1e-36))``, in float32, then in the parameter dtype."""
+    """TF's effective L2, ``l2 + beta / (2 * max(lr, 1e-36))``, then in the parameter dtype.
 
-    def f32(name: str) -> Tensor:
-        return float32_tensor(hyper.value(name), hyper.device)
-
-    lr = torch.clamp_min(f32("lr"), 1e-36)
-    return (f32("l2_regularization_strength") + f32("beta") / (2.0 * lr)).to(hyper.dtype)
+    TF evaluates it in float32, or in float64 when a float64 tensor takes part: its Python
+    numbers then enter in float64 directly.
+    """
+    names = ("lr", "l2_regularization_strength", "beta")
+    values = [hyper.value(name) for name in names]
+    if any(isinstance(v, Tensor) and v.dtype == torch.float64 for v in values):
+        lr, l2, beta = (torch.as_tensor(v, dtype=torch.float64, device=hyper.device) for v in values)
+    else:
+        lr, l2, beta = (float32_tensor(v, hyper.device) for v in values)
+    return (l2 + beta / (2.0 * torch.clamp_min(lr, 1e-36))).to(hyper.dtype)
 
 
 def _power(x: Tensor, neg_lr_power: Tensor | None) -> Tensor:
