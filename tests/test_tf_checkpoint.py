@@ -1389,3 +1389,147 @@ def test_suggest_var_map_a_match_by_shape_narrows_the_others(tmp_path: Path) -> 
     with pytest.raises(AmbiguousVarMapError) as caught:
         suggest_var_map(folder, model)
     assert caught.value.candidates == {"x/kernel": ["first.weight"], "y/kernel": ["first.weight"]}
+
+
+def _aliased(var_map: dict[str, Any]) -> dict[str, Any]:
+    """``var_map`` with every tensor replaced by ``.detach()`` (what ``model.state_dict()`` gives)."""
+    return {k: (v[0].detach(), v[1]) if isinstance(v, tuple) else v.detach() for k, v in var_map.items()}
+
+
+def test_aliases_of_the_parameters_load_and_save_their_slots(tmp_path: Path) -> None:
+    # Taken as they were, aliases carried the variables but left the slots behind (with Adam's
+    # beta powers loaded): the next step was far from TF's.
+    run, control = Run(ADAM, init=False), Run(ADAM, init=False)
+    load_tf_checkpoint(FIXTURES / ADAM["prefix"], _aliased(run.var_map()), run.opt)
+    control.load()
+    for t, c in zip(run.tensors.values(), control.tensors.values(), strict=True):
+        assert (
+            torch.equal(t, c)
+            and run.inner.state[t]
+            and all(torch.equal(run.inner.state[t][k], v) for k, v in control.inner.state[c].items())
+        )
+    save_tf_checkpoint(tmp_path / "ckpt", _aliased(run.var_map()), run.opt, global_step=3)
+    assert {name for name, _, _ in list_tf_checkpoint(tmp_path / "ckpt")} == {
+        name for name, _, _ in list_tf_checkpoint(FIXTURES / ADAM["prefix"])
+    }
+
+
+def test_another_view_of_a_parameter_is_refused_and_changes_nothing() -> None:
+    run = _stepped_run()
+    before = _snapshot(run)
+    var_map = run.var_map()
+    var_map[KERNEL] = run.tensors[KERNEL].T  # a transposed view instead of the "transpose" layout
+    with pytest.raises(
+        ValueError, match=r"var_map\['dense/kernel'\] shares memory with parameter 0 .*another view"
+    ):
+        load_tf_checkpoint(FIXTURES / ADAM["prefix"], var_map, run.opt)
+    _unchanged(run, before)
+
+
+def test_load_targets_sharing_memory_are_refused() -> None:
+    # np.copyto into an expanded view writes each element several times; overlapping targets
+    # keep whichever was copied last.
+    bias = next(k for k, v in ADAM["variables"].items() if len(v) == 1)
+    n = ADAM["variables"][bias][0]
+    with pytest.raises(ValueError, match=rf"var_map\['{bias}'\] is an expanded view"):
+        load_tf_checkpoint(FIXTURES / ADAM["prefix"], {bias: torch.zeros(1).expand(n)}, strict=False)
+    base = torch.zeros(2, n)
+    with pytest.raises(ValueError, match="share memory; each needs its own"):
+        load_tf_checkpoint(
+            FIXTURES / ADAM["prefix"], {bias: base[0], "other": base.view(-1)[1 : n + 1]}, strict=False
+        )
+
+
+# TF1 names an optimizer's state after the scope its update was built in (a variable scope
+# prefixes the slots too, a name scope only the optimizer-wide state), and numbers a graph's
+# second Adam's beta powers beta1_power_1. Per layout of tests/_tf_scoped_graphs.py: each
+# variable's load/save keywords.
+SCOPED = Path(__file__).parent / "_tf_scoped_graphs.py"
+SCOPED_LAYOUTS: dict[str, dict[str, dict[str, Any]]] = {
+    "variable": {"g/w": {"scope": "train"}},
+    "name": {"g/w": {"scope": "train"}},
+    "gan": {"g/w": {"scope": "g_train"}, "d/w": {"scope": "d_train"}},
+    "gan_suffix": {"g/w": {"non_slot_suffix": ""}, "d/w": {"non_slot_suffix": "_1"}},
+}
+
+
+def _run_scoped(tf_python: str, *args: Any) -> dict[str, Any]:
+    result = subprocess.run(
+        [tf_python, str(SCOPED), *map(str, args)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2"},
+    )
+    assert result.returncode == 0, result.stderr[-4000:]
+    return json.loads(result.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.parametrize("layout", SCOPED_LAYOUTS)
+def test_scoped_and_paired_optimizers_load_continue_and_go_back(
+    layout: str, tmp_path: Path, tf_python: str
+) -> None:
+    tf_run = _run_scoped(tf_python, "write", layout, tmp_path, 2)  # 2 steps, saved, 2 more
+    grads = {v: torch.tensor(g, dtype=torch.float64) for v, g in tf_run["grads"].items()}
+    runs = {}
+    for name, kwargs in SCOPED_LAYOUTS[layout].items():
+        p = torch.nn.Parameter(torch.zeros(2, 3, dtype=torch.float64))
+        opt = tgo.AdamOptimizer([p], 0.1)
+        info = load_tf_checkpoint(tmp_path / "tf.ckpt", {name: p}, opt, **kwargs)
+        assert len(info.loaded) == 5, info.loaded  # the variable, m, v, and the two beta powers
+        runs[name] = (p, opt, kwargs)
+
+    def step(k: int) -> None:
+        for name, (p, opt, _) in runs.items():
+            p.grad = grads[name][k].clone()
+            opt.step()
+
+    def compare(tf_finals: dict[str, Any]) -> None:
+        for name, (p, opt, kwargs) in runs.items():
+            scope = f"{kwargs['scope']}/" if "scope" in kwargs else ""
+            slot_scope = "" if layout == "name" else scope
+            suffix = kwargs.get("non_slot_suffix", "")
+            ours = {
+                name: p,
+                f"{slot_scope}{name}/Adam": opt.state[p]["m"],
+                f"{slot_scope}{name}/Adam_1": opt.state[p]["v"],
+                f"{scope}beta1_power{suffix}": opt.param_groups[0]["beta1_power"],
+                f"{scope}beta2_power{suffix}": opt.param_groups[0]["beta2_power"],
+            }
+            for tf_name, value in ours.items():
+                theirs = np.asarray(tf_finals[tf_name])
+                np.testing.assert_allclose(value.detach().numpy(), theirs, rtol=1e-12, err_msg=tf_name)
+
+    for k in (2, 3):
+        step(k)
+    compare(tf_run["finals"])
+    # Back to TF: each optimizer saved under its TF names into one checkpoint.
+    for i, (name, (p, opt, kwargs)) in enumerate(runs.items()):
+        save_tf_checkpoint(
+            tmp_path / "torch.ckpt",
+            {name: p},
+            opt,
+            global_step=4,
+            scoped_slots=layout != "name",
+            append=i > 0,
+            **kwargs,
+        )
+    restored = _run_scoped(tf_python, "restore", layout, tmp_path, 2, 4)  # steps 4 and 5
+    for k in (4, 5):
+        step(k)
+    compare(restored["finals"])
+
+
+def test_save_append_refuses_a_name_written_twice(tmp_path: Path) -> None:
+    p, q = torch.nn.Parameter(torch.ones(3)), torch.nn.Parameter(torch.ones(3))
+    save_tf_checkpoint(tmp_path / "ckpt", {"p": p}, tgo.AdamOptimizer([p], 0.1), global_step=1)
+    before = list_tf_checkpoint(tmp_path / "ckpt")
+    with pytest.raises(ValueError, match="already holds 'beta1_power'; give this optimizer its TF names"):
+        save_tf_checkpoint(tmp_path / "ckpt", {"q": q}, tgo.AdamOptimizer([q], 0.1), append=True)
+    assert list_tf_checkpoint(tmp_path / "ckpt") == before
+    with pytest.raises(ValueError, match="already holds 'global_step'"):
+        save_tf_checkpoint(tmp_path / "ckpt", {"q": q}, global_step=2, append=True)
+    with pytest.raises(FileNotFoundError, match="no checkpoint at"):
+        save_tf_checkpoint(tmp_path / "other", {"q": q}, append=True)
+    with pytest.raises(ValueError, match="scope must be a TF scope name"):
+        save_tf_checkpoint(tmp_path / "ckpt", {"q": q}, scope="train/")

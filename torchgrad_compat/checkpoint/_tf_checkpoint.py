@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import bisect
 import codecs
 import copy
+import itertools
 import os
 import re
 from collections.abc import Callable, Mapping, Sequence
@@ -17,6 +19,7 @@ from torch import Tensor
 
 from .. import optim as tgo
 from ..amp import DynamicLossScale, LossScaleOptimizer
+from ..optim._base import _bytes_spanned, _check_no_shared_elements
 from ..optim._wrapper import OptimizerWrapper
 from ._bundle import BundleEntry, BundleReader, CorruptCheckpointError, write_bundle
 
@@ -157,8 +160,14 @@ class _Names:
         in_loss_scale_optimizer: bool = False,
         non_slot_suffix: str = "",
         loss_scale_suffix: str = "",
+        scope: str = "",
+        scoped_slots: bool = True,
     ):
         self.object_based = object_based
+        # TF1 names an optimizer's variables after the scope its update was built in: a name
+        # scope prefixes its optimizer-wide state, a variable scope its slots too.
+        self.non_slot_prefix = f"{scope}/" if scope else ""
+        self.slot_prefix = self.non_slot_prefix if scoped_slots else ""
         self.non_slot_suffix = non_slot_suffix
         self.loss_scale_suffix = loss_scale_suffix
         self.loss_scale_path = optimizer_name
@@ -176,12 +185,12 @@ class _Names:
         if self.object_based:
             base = key.removesuffix(_ATTRIBUTE)
             return f"{base}/.OPTIMIZER_SLOT/{self.optimizer_name}/{slot}{_ATTRIBUTE}"
-        return f"{key}/{self.optimizer_name}" + (f"_{index}" if index else "")
+        return f"{self.slot_prefix}{key}/{self.optimizer_name}" + (f"_{index}" if index else "")
 
     def non_slot(self, name: str) -> str:
-        return (
-            f"{self.optimizer_name}/{name}{_ATTRIBUTE}" if self.object_based else name + self.non_slot_suffix
-        )
+        if self.object_based:
+            return f"{self.optimizer_name}/{name}{_ATTRIBUTE}"
+        return self.non_slot_prefix + name + self.non_slot_suffix
 
     def loss_scale(self, name: str) -> str:
         if self.object_based:
@@ -238,6 +247,84 @@ def _parse_var_map(var_map: Any) -> dict[str, tuple[Tensor, tuple[int, ...] | No
         seen[id(value)] = name
         parsed[name] = (value, _parse_layout(name, layout, value.dim()))
     return parsed
+
+
+def _as_parameters(
+    parsed: dict[str, tuple[Tensor, tuple[int, ...] | None]], opt: tgo.Optimizer
+) -> dict[str, tuple[Tensor, tuple[int, ...] | None]]:
+    """``parsed`` with each alias of one of ``opt``'s parameters replaced by the parameter itself.
+
+    ``model.state_dict()``, ``p.data`` and ``p.detach()`` give other tensor objects over a
+    parameter's memory. Taken as they are, they would carry the variable but not its slots: the
+    optimizer's state would be silently left behind. An entry that overlaps a parameter's memory
+    without being the same view of it (``weight.T`` for a transposed layout) is refused.
+    """
+    params = [p for group in opt.param_groups for p in group["params"]]
+    managed = set(map(id, params))
+    if all(id(t) in managed for t, _ in parsed.values()):
+        return parsed
+    same_view: dict[tuple[Any, ...], Tensor] = {}
+    spans: dict[str, list[tuple[int, int, int]]] = {}
+    for i, p in enumerate(params):
+        if p.layout == torch.strided and not p.is_meta and p.numel() and (start := p.data_ptr()):
+            same_view.setdefault((p.device, start, p.shape, p.stride(), p.dtype), p)
+            spans.setdefault(str(p.device), []).append((start, start + _bytes_spanned(p), i))
+    # Per device: spans by start, and the furthest end among the first k (a bisect finds overlaps).
+    reach: dict[str, tuple[list[int], list[int]]] = {}
+    for device, ranges in spans.items():
+        ranges.sort()
+        reach[device] = ([r[0] for r in ranges], list(itertools.accumulate((r[1] for r in ranges), max)))
+    resolved = dict(parsed)
+    for key, (t, perm) in parsed.items():
+        if id(t) in managed or t.layout != torch.strided or t.is_meta or not t.numel() or not t.data_ptr():
+            continue
+        param = same_view.get((t.device, t.data_ptr(), t.shape, t.stride(), t.dtype))
+        if param is not None:
+            resolved[key] = (param, perm)
+            continue
+        start, end = t.data_ptr(), t.data_ptr() + _bytes_spanned(t)
+        starts, furthest = reach.get(str(t.device), ([], []))
+        before_end = bisect.bisect_left(starts, end)  # the spans that start before t ends
+        if before_end and furthest[before_end - 1] > start:
+            i = next(i for s_, e_, i in spans[str(t.device)] if s_ < end and start < e_)
+            raise ValueError(
+                f"var_map[{key!r}] shares memory with parameter {i} of the optimizer but is another "
+                "view of it; pass the parameter itself (with layout 'transpose' or a permutation "
+                "for a transposed one), so that its slots are loaded with it"
+            )
+    return resolved
+
+
+def _check_scope(scope: Any, object_based: bool) -> None:
+    if scope is None:
+        return
+    if not isinstance(scope, str) or not scope or scope.startswith("/") or scope.endswith("/"):
+        raise ValueError(f"scope must be a TF scope name such as 'train' (no '/' at its ends), got {scope!r}")
+    if object_based:
+        raise ValueError(
+            f"scope={scope!r} is for name-based checkpoints; an object-based one names each "
+            "optimizer's state by its path (optimizer_name)"
+        )
+
+
+def _slots_scoped(
+    reader: BundleReader,
+    parsed: dict[str, tuple[Tensor, tuple[int, ...] | None]],
+    opt: tgo.Optimizer | None,
+    scope: str,
+    optimizer_name: str,
+) -> bool:
+    """Whether the checkpoint holds the slots under ``scope`` (a variable scope) or not (a name scope)."""
+    if opt is None:
+        return True
+    managed = {id(p) for group in opt.param_groups for p in group["params"]}
+    for key, (t, _) in parsed.items():
+        if id(t) in managed:
+            if f"{scope}/{key}/{optimizer_name}" in reader.entries:
+                return True
+            if f"{key}/{optimizer_name}" in reader.entries:
+                return False
+    return True
 
 
 def _parse_layout(name: str, layout: Any, ndim: int) -> tuple[int, ...] | None:
@@ -385,6 +472,7 @@ def load_tf_checkpoint(
     optimizer_name: str | None = None,
     non_slot_suffix: str | None = None,
     loss_scale_suffix: str | None = None,
+    scope: str | None = None,
     strict: bool = True,
 ) -> LoadInfo:
     """Copy a TF checkpoint's variables, and the optimizer's slots and state, into torch tensors.
@@ -398,7 +486,9 @@ def load_tf_checkpoint(
         path: a checkpoint prefix, or a directory (its latest checkpoint).
         var_map: TF variable name -> tensor, or -> ``(tensor, layout)`` where
             layout is ``"transpose"`` (2-D) or a dim permutation ``perm`` with
-            ``tensor = tf_value.permute(perm)``; applied to the slots too.
+            ``tensor = tf_value.permute(perm)``; applied to the slots too. An
+            alias of a parameter (a ``model.state_dict()`` value) stands for it;
+            another view of its memory, or tensors sharing memory, are refused.
         optimizer: one of ``torchgrad_compat.optim``'s optimizers, or a
             ``LossScaleOptimizer`` (or other wrapper) around one. The slots of
             every ``var_map`` tensor it manages are filled from TF's slot
@@ -419,6 +509,12 @@ def load_tf_checkpoint(
             beta powers are numbered in the order of their first update, which
             may differ). Left None, a checkpoint holding several is refused as
             ambiguous.
+        scope: name-based checkpoints only: the scope the TF optimizer's
+            ``minimize``/``apply_gradients`` ran in, ``"train"`` for
+            ``with tf.variable_scope("train"):`` or ``tf.name_scope("train")``.
+            TF1 then names its optimizer-wide state ``train/beta1_power``, and,
+            under a variable scope, its slots ``train/<variable>/Adam``; each
+            slot is read under the name the checkpoint holds.
         strict: True (the default): everything asked for must be in the
             checkpoint and valid, or nothing is loaded. False: load what is
             valid, leave the rest as it is and say why in ``LoadInfo.skipped``
@@ -450,7 +546,9 @@ def load_tf_checkpoint(
     if not isinstance(strict, bool):
         raise TypeError(f"strict must be a bool, got {type(strict).__name__}: {strict!r}")
     with BundleReader(_resolve_prefix(path)) as reader:
-        return _load(reader, var_map, optimizer, optimizer_name, non_slot_suffix, loss_scale_suffix, strict)
+        return _load(
+            reader, var_map, optimizer, optimizer_name, non_slot_suffix, loss_scale_suffix, scope, strict
+        )
 
 
 def _load(
@@ -460,10 +558,16 @@ def _load(
     optimizer_name: str | None,
     non_slot_suffix: str | None,
     loss_scale_suffix: str | None,
+    scope: str | None,
     strict: bool,
 ) -> LoadInfo:
     parsed = _parse_var_map(var_map)
     opt, loss_scale, in_lso = _unwrap(optimizer)
+    if opt is not None:
+        parsed = _as_parameters(parsed, opt)
+    # Each copy must land in memory of its own: an expanded view, or two entries sharing memory,
+    # would keep only the last value written.
+    _check_no_shared_elements("load_tf_checkpoint", [(f"var_map[{k!r}]", t) for k, (t, _) in parsed.items()])
     object_based = _OBJECT_GRAPH in reader.entries
     if optimizer_name is not None and (not isinstance(optimizer_name, str) or not optimizer_name):
         raise TypeError(f"optimizer_name must be a non-empty str, got {optimizer_name!r}")
@@ -476,8 +580,17 @@ def _load(
                 f"{arg}={suffix!r} is for name-based checkpoints; an object-based one "
                 "names each optimizer's state by its path (optimizer_name)"
             )
+    _check_scope(scope, object_based)
+    name = optimizer_name or default
     names = _Names(
-        object_based, optimizer_name or default, in_lso, non_slot_suffix or "", loss_scale_suffix or ""
+        object_based,
+        name,
+        in_lso,
+        non_slot_suffix or "",
+        loss_scale_suffix or "",
+        scope or "",
+        # A name scope leaves the slots unscoped: read them where the checkpoint has them.
+        scoped_slots=bool(scope) and _slots_scoped(reader, parsed, opt, scope, name),
     )
 
     global_step_name = next(
@@ -642,6 +755,8 @@ def _extra_slots(
     keys = {
         names.variable(key).removesuffix(_ATTRIBUTE) for key, (t, _) in parsed.items() if id(t) in managed
     }
+    if not names.object_based:
+        keys = {names.slot_prefix + key for key in keys}
     extra = {}
     suffix = re.compile(rf"{re.escape(names.optimizer_name)}(_\d+)?")
     marker = f"/.OPTIMIZER_SLOT/{names.optimizer_name}/"
@@ -731,6 +846,11 @@ def save_tf_checkpoint(
     *,
     global_step: int | Tensor | None = None,
     optimizer_name: str | None = None,
+    non_slot_suffix: str = "",
+    loss_scale_suffix: str = "",
+    scope: str | None = None,
+    scoped_slots: bool = True,
+    append: bool = False,
 ) -> str:
     """Write a name-based TF checkpoint that ``tf.compat.v1.train.Saver`` restores; no TensorFlow needed.
 
@@ -748,6 +868,19 @@ def save_tf_checkpoint(
             AdagradDA (whose step is TF's global step) it defaults to the
             optimizer's own counter, and must agree with it when given.
         optimizer_name: TF's ``name=`` of the optimizer in the TF graph, if not the default.
+        non_slot_suffix: ``"_1"`` (and so on) writes the optimizer-wide state
+            under the names TF1 gives a graph's second optimizer of one kind
+            (``beta1_power_1``), as for :func:`load_tf_checkpoint`.
+        loss_scale_suffix: the same for a dynamic loss scale's variables.
+        scope: the scope of the TF graph's optimizer, as for
+            :func:`load_tf_checkpoint`: prefixes the optimizer-wide state, and
+            the slots unless ``scoped_slots=False`` (a ``tf.name_scope``, which
+            leaves slot names alone).
+        append: add to the checkpoint already at ``path`` instead of replacing
+            it, for a graph with several optimizers (a GAN's): save the
+            generator's variables and optimizer, then the discriminator's with
+            ``append=True`` and its suffix or scope. A name written twice is
+            refused, except an equal ``global_step``.
 
     Returns:
         The prefix written.
@@ -759,9 +892,25 @@ def save_tf_checkpoint(
         raise ValueError(f"path {prefix!r} is a directory; give a checkpoint prefix such as 'dir/model.ckpt'")
     parsed = _parse_var_map(var_map)
     opt, loss_scale, _ = _unwrap(optimizer)
+    if opt is not None:
+        parsed = _as_parameters(parsed, opt)
     if optimizer_name is not None and (not isinstance(optimizer_name, str) or not optimizer_name):
         raise TypeError(f"optimizer_name must be a non-empty str, got {optimizer_name!r}")
-    names = _Names(False, optimizer_name or (_default_name(opt) if opt is not None else ""))
+    for arg, suffix in (("non_slot_suffix", non_slot_suffix), ("loss_scale_suffix", loss_scale_suffix)):
+        if not isinstance(suffix, str) or not re.fullmatch(r"(_\d+)?", suffix):
+            raise ValueError(f"{arg} must be '' or '_' and a number (TF's), got {suffix!r}")
+    _check_scope(scope, object_based=False)
+    for arg, flag in (("scoped_slots", scoped_slots), ("append", append)):
+        if not isinstance(flag, bool):
+            raise TypeError(f"{arg} must be a bool, got {type(flag).__name__}: {flag!r}")
+    names = _Names(
+        False,
+        optimizer_name or (_default_name(opt) if opt is not None else ""),
+        non_slot_suffix=non_slot_suffix,
+        loss_scale_suffix=loss_scale_suffix,
+        scope=scope or "",
+        scoped_slots=scoped_slots,
+    )
     step = _check_step_arg(global_step)
 
     targets, _ = _targets(parsed, opt, loss_scale, names, "global_step")
@@ -789,10 +938,35 @@ def save_tf_checkpoint(
                 "TF's AdagradDA reads the global step, so the two must match"
             )
 
+    if append:
+        tensors = _appended_to(prefix, tensors)
     Path(prefix).parent.mkdir(parents=True, exist_ok=True)
     write_bundle(prefix, tensors)
     _record_in_state_file(prefix)
     return prefix
+
+
+def _appended_to(prefix: str, tensors: dict[str, Tensor]) -> dict[str, Tensor]:
+    """The checkpoint at ``prefix`` (all of it, checked) with ``tensors`` added; no name twice."""
+    if not Path(prefix + ".index").is_file():
+        raise FileNotFoundError(f"append=True: no checkpoint at {prefix!r} to add to")
+    with BundleReader(prefix) as reader:
+        if _OBJECT_GRAPH in reader.entries:
+            raise ValueError(
+                f"append=True: the checkpoint at {prefix!r} is object-based (tf.train.Checkpoint); "
+                "this writes name-based ones"
+            )
+        held = {name: reader.read(name) for name in reader.entries}
+    for name, value in tensors.items():
+        if name not in held:
+            continue
+        if name == "global_step" and torch.equal(held[name].to(torch.int64), value.cpu()):
+            continue
+        raise ValueError(
+            f"append=True: the checkpoint at {prefix!r} already holds {name!r}; give this optimizer "
+            "its TF names (optimizer_name, non_slot_suffix, scope) and each variable once"
+        )
+    return {**held, **tensors}
 
 
 def _check_step_arg(global_step: Any) -> int | None:
