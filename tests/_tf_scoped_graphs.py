@@ -22,13 +22,17 @@ def main() -> None:
     variables = ["g/w", "d/w"] if layout.startswith("gan") else ["g/w"]
 
     with tf.Graph().as_default(), tf.Session() as sess:
-        feeds, ops = {}, []
+        feeds, pairs, ops = {}, [], []
         for i, name in enumerate(variables):
             scope, var_name = name.split("/")
             with tf.variable_scope(scope):
                 var = tf.get_variable(var_name, initializer=np.linspace(-1.0, 1.0, 6).reshape(2, 3) + i)
-            g = tf.placeholder(tf.float64, (2, 3))
-            feeds[name] = g
+            feeds[name] = tf.placeholder(tf.float64, (2, 3))
+            pairs.append((scope, feeds[name], var))
+        if layout == "gan_one_scope":  # one variable scope: the second Adam's beta powers are _1
+            with tf.variable_scope("train"):
+                ops = [tf.train.AdamOptimizer(0.1).apply_gradients([(g, var)]) for _, g, var in pairs]
+        for scope, g, var in pairs if not ops else ():
             opt = tf.train.AdamOptimizer(0.1)
             if layout == "variable":
                 with tf.variable_scope("train"):

@@ -693,3 +693,9 @@ def test_boolean_grad_ys_are_refused_as_a_bool_tensor_is(grad_ys):
     x = torch.ones(2, requires_grad=True)
     with pytest.raises(TypeError, match=r"grad_ys\[0\] has dtype torch.bool"):
         gradients([x * 2], [x], grad_ys=grad_ys)
+
+
+def test_grad_ys_ints_beyond_int64_are_taken_as_numbers():
+    x = torch.ones(2, requires_grad=True)
+    (g,) = gradients([x * 2], [x], grad_ys=[[2**70, 1]])
+    assert torch.equal(g, torch.tensor([2.0**71, 2.0]))

@@ -606,7 +606,7 @@ def test_a_gradient_in_a_parameters_memory_is_refused(dense: bool) -> None:
     if dense:
         w.grad = v.detach()
     else:
-        w.grad = torch.sparse_coo_tensor(torch.tensor([[0, 1]]), v.detach()[2:], (4, 3))
+        w.grad = torch.sparse_coo_tensor(torch.tensor([[0, 1]]), v.detach()[:2], (4, 3))
     v.grad[0, 0] = math.inf
     with pytest.raises(ValueError, match="p.grad of parameter 0 and parameter 1 share memory"):
         opt.step()

@@ -411,6 +411,15 @@ def _check_xs(xs: list[Tensor]) -> None:
             )
 
 
+def _as_bools(w: Any) -> Tensor | None:
+    """``w`` as a tensor if it holds booleans (Python's ``True`` is also an int), else None."""
+    try:
+        given = torch.as_tensor(w)
+    except (TypeError, ValueError, RuntimeError, OverflowError):
+        return None  # (an int too large for int64 is no boolean; the cast to y's dtype says the rest)
+    return given if given.dtype == torch.bool else None
+
+
 def _default_grad_ys(grad_ys: Any, ys: list[Tensor]) -> list[Tensor]:
     """TF's ``_DefaultGradYs``: ones where None, else checked against ``y`` and cast to its dtype."""
     if grad_ys is None:
@@ -433,8 +442,8 @@ def _default_grad_ys(grad_ys: Any, ys: list[Tensor]) -> list[Tensor]:
                 )
             try:
                 # Booleans are refused below, as a bool tensor is: their dtype is read before the cast.
-                given = torch.as_tensor(w)
-                w = given if given.dtype == torch.bool else torch.as_tensor(w, dtype=y.dtype, device=y.device)
+                given = _as_bools(w)
+                w = given if given is not None else torch.as_tensor(w, dtype=y.dtype, device=y.device)
             except (TypeError, ValueError, RuntimeError) as e:
                 raise TypeError(
                     f"grad_ys[{i}] must be None, a tensor or a number / nested list, "

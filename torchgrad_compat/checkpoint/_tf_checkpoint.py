@@ -251,18 +251,20 @@ def _parse_var_map(var_map: Any) -> dict[str, tuple[Tensor, tuple[int, ...] | No
 
 def _as_parameters(
     parsed: dict[str, tuple[Tensor, tuple[int, ...] | None]], opt: tgo.Optimizer
-) -> dict[str, tuple[Tensor, tuple[int, ...] | None]]:
-    """``parsed`` with each alias of one of ``opt``'s parameters replaced by the parameter itself.
+) -> tuple[dict[str, tuple[Tensor, tuple[int, ...] | None]], dict[str, Tensor]]:
+    """``parsed`` with each alias of one of ``opt``'s parameters replaced by the parameter itself,
+    and the entries that are views of part of a parameter, with that parameter.
 
     ``model.state_dict()``, ``p.data`` and ``p.detach()`` give other tensor objects over a
     parameter's memory. Taken as they are, they would carry the variable but not its slots: the
-    optimizer's state would be silently left behind. An entry that overlaps a parameter's memory
-    without being the same view of it (``weight.T`` for a transposed layout) is refused.
+    optimizer's state would be silently left behind. An entry over part of a parameter (TF's
+    separate q/k/v kernels as row blocks of one ``in_proj_weight``, or ``weight.T``) has as its
+    slots the same view of the parameter's slots (see :func:`_slot_view`).
     """
     params = [p for group in opt.param_groups for p in group["params"]]
     managed = set(map(id, params))
     if all(id(t) in managed for t, _ in parsed.values()):
-        return parsed
+        return parsed, {}
     same_view: dict[tuple[Any, ...], Tensor] = {}
     spans: dict[str, list[tuple[int, int, int]]] = {}
     for i, p in enumerate(params):
@@ -274,7 +276,7 @@ def _as_parameters(
     for device, ranges in spans.items():
         ranges.sort()
         reach[device] = ([r[0] for r in ranges], list(itertools.accumulate((r[1] for r in ranges), max)))
-    resolved = dict(parsed)
+    resolved, parts = dict(parsed), {}
     for key, (t, perm) in parsed.items():
         if id(t) in managed or t.layout != torch.strided or t.is_meta or not t.numel() or not t.data_ptr():
             continue
@@ -287,12 +289,29 @@ def _as_parameters(
         before_end = bisect.bisect_left(starts, end)  # the spans that start before t ends
         if before_end and furthest[before_end - 1] > start:
             i = next(i for s_, e_, i in spans[str(t.device)] if s_ < end and start < e_)
-            raise ValueError(
-                f"var_map[{key!r}] shares memory with parameter {i} of the optimizer but is another "
-                "view of it; pass the parameter itself (with layout 'transpose' or a permutation "
-                "for a transposed one), so that its slots are loaded with it"
-            )
-    return resolved
+            parts[key] = params[i]
+    return resolved, parts
+
+
+def _slot_view(key: str, slot: Tensor, part: Tensor, param: Tensor) -> Tensor:
+    """The elements of ``slot`` that are to ``slot`` what ``part`` is to ``param``."""
+    size = param.element_size()
+    offset, rest = divmod(part.data_ptr() - param.data_ptr(), size)
+    dense = _bytes_spanned(param) == param.numel() * size
+    if not (
+        dense
+        and part.dtype == param.dtype
+        and slot.stride() == param.stride()
+        and rest == 0
+        and offset >= 0
+        and offset * size + _bytes_spanned(part) <= _bytes_spanned(param)
+    ):
+        raise ValueError(
+            f"var_map[{key!r}] is a view of part of a parameter the optimizer manages, but not one its "
+            f"slots can follow (parameter shape {tuple(param.shape)}, strides {param.stride()}; view "
+            f"shape {tuple(part.shape)}, strides {part.stride()}): pass the parameter itself, with a layout"
+        )
+    return slot.as_strided(part.shape, part.stride(), slot.storage_offset() + offset)
 
 
 def _check_scope(scope: Any, object_based: bool) -> None:
@@ -371,10 +390,13 @@ class _Target:
     # State with a valid range (beta powers, steps, the loss scale): the owner's own check of a
     # loaded value, run before anything is copied; it raises TypeError or ValueError.
     check: Callable[[Tensor], None] | None = None
+    # A view of part of another tensor (a slot of a parameter that the var_map entry is part of).
+    of: Tensor | None = None
 
 
 def _targets(
     parsed: dict[str, tuple[Tensor, tuple[int, ...] | None]],
+    parts: dict[str, Tensor],
     opt: tgo.Optimizer | None,
     loss_scale: DynamicLossScale | None,
     names: _Names,
@@ -390,14 +412,19 @@ def _targets(
     if opt is not None:
         group_of = {id(p): group for group in opt.param_groups for p in group["params"]}
         for key, (tensor, perm) in parsed.items():
-            group = group_of.get(id(tensor))
+            param = parts.get(key, tensor)  # (a view of part of a parameter: the same view of its slots)
+            group = group_of.get(id(param))
             if group is None:
                 continue  # not trained by this optimizer: no slots
-            state = opt.state.get(tensor)
+            state = opt.state.get(param) or fresh.get(param)
             if not state:
-                state = fresh[tensor] = opt._init_slots(group, tensor)
+                state = fresh[param] = opt._init_slots(group, param)
             for index, slot in enumerate(_slot_order(opt, group)):
-                targets.append(_Target(names.slot(key, slot, index), state[slot], perm))
+                if param is tensor:
+                    targets.append(_Target(names.slot(key, slot, index), state[slot], perm))
+                else:
+                    view = _slot_view(key, state[slot], tensor, param)
+                    targets.append(_Target(names.slot(key, slot, index), view, perm, of=state[slot]))
         for cls, keys in _NON_SLOT.items():
             if isinstance(opt, cls):
                 for key in keys:
@@ -488,7 +515,8 @@ def load_tf_checkpoint(
             layout is ``"transpose"`` (2-D) or a dim permutation ``perm`` with
             ``tensor = tf_value.permute(perm)``; applied to the slots too. An
             alias of a parameter (a ``model.state_dict()`` value) stands for it;
-            another view of its memory, or tensors sharing memory, are refused.
+            a view of part of one takes the same view of its slots; tensors
+            sharing an element are refused.
         optimizer: one of ``torchgrad_compat.optim``'s optimizers, or a
             ``LossScaleOptimizer`` (or other wrapper) around one. The slots of
             every ``var_map`` tensor it manages are filled from TF's slot
@@ -563,8 +591,9 @@ def _load(
 ) -> LoadInfo:
     parsed = _parse_var_map(var_map)
     opt, loss_scale, in_lso = _unwrap(optimizer)
+    parts: dict[str, Tensor] = {}
     if opt is not None:
-        parsed = _as_parameters(parsed, opt)
+        parsed, parts = _as_parameters(parsed, opt)
     # Each copy must land in memory of its own: an expanded view, or two entries sharing memory,
     # would keep only the last value written.
     _check_no_shared_elements("load_tf_checkpoint", [(f"var_map[{k!r}]", t) for k, (t, _) in parsed.items()])
@@ -597,14 +626,15 @@ def _load(
         (n for n in _GLOBAL_STEP_NAMES["object" if object_based else "name"] if n in reader.entries), None
     )
     step_name = global_step_name or _GLOBAL_STEP_NAMES["object" if object_based else "name"][0]
-    targets, fresh_slots = _targets(parsed, opt, loss_scale, names, step_name)
+    targets, fresh_slots = _targets(parsed, parts, opt, loss_scale, names, step_name)
 
     # 1. Validate everything, reading no data into memory.
     mismatched, corrupt = _validate(reader, targets, global_step_name)
     if opt is not None:
-        mismatched.update(_extra_slots(reader, parsed, opt, names, {t.name for t in targets}))
+        with_params = {k: (parts.get(k, t), perm) for k, (t, perm) in parsed.items()}
+        mismatched.update(_extra_slots(reader, with_params, opt, names, {t.name for t in targets}))
         if not object_based and non_slot_suffix is None:
-            mismatched.update(_ambiguous_non_slot(reader, opt))
+            mismatched.update(_ambiguous_non_slot(reader, opt, names.non_slot_prefix))
     if loss_scale is not None and not object_based and loss_scale_suffix is None:
         mismatched.update(_ambiguous_loss_scale(reader))
     if strict and (mismatched or corrupt):
@@ -615,7 +645,7 @@ def _load(
     with torch.no_grad():
         for target in to_load:
             _copy_into(target.tensor, _to_torch_layout(reader.read(target.name), target.perm))
-        loaded_ids = {id(t.tensor) for t in to_load}
+        loaded_ids = {id(t.tensor) for t in to_load} | {id(t.of) for t in to_load if t.of is not None}
         if loss_scale is not None and id(loss_scale.variables()[0]) in loaded_ids:
             # As its load_state_dict does: a scale below 1 has its unscaled gradients checked too.
             loss_scale.may_be_below_one = float(loss_scale.variables()[0]) < 1.0
@@ -703,7 +733,7 @@ def _validate(
     return mismatched, corrupt
 
 
-def _ambiguous_non_slot(reader: BundleReader, opt: tgo.Optimizer) -> dict[str, str]:
+def _ambiguous_non_slot(reader: BundleReader, opt: tgo.Optimizer, prefix: str) -> dict[str, str]:
     """Optimizer-wide state a name-based checkpoint holds for more than one optimizer of the graph.
 
     TF1 names the beta powers of a graph's second Adam ``beta1_power_1`` (and so
@@ -714,7 +744,7 @@ def _ambiguous_non_slot(reader: BundleReader, opt: tgo.Optimizer) -> dict[str, s
     for cls, keys in _NON_SLOT.items():
         if isinstance(opt, cls):
             whose = f"the same state of another {cls.__name__.removesuffix('Optimizer')} optimizer"
-            ambiguous.update(_numbered_twins(reader, keys, whose, "non_slot_suffix"))
+            ambiguous.update(_numbered_twins(reader, [prefix + k for k in keys], whose, "non_slot_suffix"))
     return ambiguous
 
 
@@ -892,8 +922,9 @@ def save_tf_checkpoint(
         raise ValueError(f"path {prefix!r} is a directory; give a checkpoint prefix such as 'dir/model.ckpt'")
     parsed = _parse_var_map(var_map)
     opt, loss_scale, _ = _unwrap(optimizer)
+    parts: dict[str, Tensor] = {}
     if opt is not None:
-        parsed = _as_parameters(parsed, opt)
+        parsed, parts = _as_parameters(parsed, opt)
     if optimizer_name is not None and (not isinstance(optimizer_name, str) or not optimizer_name):
         raise TypeError(f"optimizer_name must be a non-empty str, got {optimizer_name!r}")
     for arg, suffix in (("non_slot_suffix", non_slot_suffix), ("loss_scale_suffix", loss_scale_suffix)):
@@ -913,7 +944,7 @@ def save_tf_checkpoint(
     )
     step = _check_step_arg(global_step)
 
-    targets, _ = _targets(parsed, opt, loss_scale, names, "global_step")
+    targets, _ = _targets(parsed, parts, opt, loss_scale, names, "global_step")
     tensors: dict[str, Tensor] = {}
     for target in targets:
         value = _to_tf_layout(target.tensor, target.perm).detach()
@@ -956,12 +987,23 @@ def _appended_to(prefix: str, tensors: dict[str, Tensor]) -> dict[str, Tensor]:
                 f"append=True: the checkpoint at {prefix!r} is object-based (tf.train.Checkpoint); "
                 "this writes name-based ones"
             )
+        unreadable = sorted(n for n, e in reader.entries.items() if e.torch_dtype is None)
+        if unreadable:
+            raise ValueError(
+                f"append=True: the checkpoint at {prefix!r} holds tensors this package cannot carry "
+                f"over (TF dtypes without a torch counterpart): {unreadable}"
+            )
         held = {name: reader.read(name) for name in reader.entries}
     for name, value in tensors.items():
         if name not in held:
             continue
-        if name == "global_step" and torch.equal(held[name].to(torch.int64), value.cpu()):
-            continue
+        if name == "global_step":
+            if torch.equal(held[name].to(torch.int64), value.cpu()):
+                continue
+            raise ValueError(
+                f"append=True: the checkpoint at {prefix!r} holds global_step {int(held[name])}, "
+                f"this save gives {int(value)}; one TF graph has one global step"
+            )
         raise ValueError(
             f"append=True: the checkpoint at {prefix!r} already holds {name!r}; give this optimizer "
             "its TF names (optimizer_name, non_slot_suffix, scope) and each variable once"

@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import contextvars
 import functools
-import itertools
 import math
 import operator
 import struct
@@ -1781,12 +1780,39 @@ def _check_no_shared_elements(cls: str, targets: list[tuple[str, Tensor]]) -> No
             )
         start = t.storage_offset() * t.element_size()
         end = start + _bytes_spanned(t)
-        spans.setdefault(t.untyped_storage().data_ptr(), []).append((start, end, name))
+        spans.setdefault(t.untyped_storage().data_ptr(), []).append((start, end, name, t))
     for ranges in spans.values():
-        ranges.sort()
-        for (_, end, first), (start, _, second) in itertools.pairwise(ranges):
-            if start < end:
-                raise ValueError(f"{cls}: {first} and {second} share memory; each needs its own")
+        ranges.sort(key=lambda r: r[:2])
+        # Runs of spans that overlap (a sweep); within a run, the elements themselves are compared:
+        # even and odd columns of one matrix overlap in span but share no element.
+        run, reach = [], 0
+        for r in [*ranges, None]:
+            if r is None or r[0] >= reach:
+                if len(run) > 1 and (shared := _first_shared_pair(run)):
+                    raise ValueError(f"{cls}: {shared[0]} and {shared[1]} share memory; each needs its own")
+                run, reach = [], 0
+            if r is not None:
+                run.append(r)
+                reach = max(reach, r[1])
+
+
+def _first_shared_pair(run: list[tuple[int, int, str, Tensor]]) -> tuple[str, str] | None:
+    """The names of two views of one storage (spans in bytes, by start) that share an element, or None."""
+    size = run[0][3].element_size()
+    if any(t.element_size() != size or start % size for start, _, _, t in run):
+        return run[0][2], run[1][2]  # views of one storage in two element sizes: not compared
+    base = run[0][0] // size
+    taken = torch.zeros(-(-max(end for _, end, _, _ in run) // size) - base, dtype=torch.bool)
+    for k, (start, _, name, t) in enumerate(run):
+        view = taken.as_strided(t.shape, t.stride(), start // size - base)
+        if view.any():
+            for earlier_start, _, earlier, e in run[:k]:
+                mine = torch.zeros_like(taken)
+                mine.as_strided(e.shape, e.stride(), earlier_start // size - base).fill_(True)
+                if (mine.as_strided(t.shape, t.stride(), start // size - base)).any():
+                    return earlier, name
+        view.fill_(True)
+    return None
 
 
 def _check_rows_fit(what: str, rows: list[Tensor], numels: list[int], every_step: bool = False) -> None:
