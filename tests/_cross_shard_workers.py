@@ -356,6 +356,52 @@ def check_state_dict_resume(rank: int, world: int) -> None:
     assert opt.get_slot_names() == ["m", "v"] and len(opt.variables()) == 2 * 5 + 2
 
 
+class _FailingBackward(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, x: Tensor) -> Tensor:
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> Tensor:
+        raise RuntimeError("backward failed on purpose")
+
+
+def check_a_backward_pass_that_raised_midway_stops_the_next_step(rank: int, world: int) -> None:
+    """The pass raised after a bucket went on the wire: going on would pair the replicas'
+    collectives wrongly (a silent drift), so every later step and pass refuses, on every rank."""
+    a, b = nn.Parameter(torch.ones(3)), nn.Parameter(torch.ones(3))
+    opt = CrossShardOptimizer(tgo.GradientDescentOptimizer([a, b], 0.1), "sum", bucket_cap_mb=1e-9)
+    # a's node is made last, so autograd reaches it (and launches its bucket) before b's fails.
+    loss = _FailingBackward.apply(b).sum() + (a * 2).sum()
+    _expect_error(RuntimeError, ["backward failed on purpose"], loss.backward)
+    words = ["earlier backward pass raised", "buckets on the wire", "Restart the processes"]
+    _expect_error(RuntimeError, words, opt.step)
+    _expect_error(RuntimeError, words, lambda: (a * 3).sum().backward())
+    assert torch.equal(a.detach(), torch.ones(3)) and torch.equal(b.detach(), torch.ones(3))
+
+
+def check_a_sparse_gradient_that_is_not_row_sparse_is_refused(rank: int, world: int) -> None:
+    """Only the row indices are gathered: a 2-sparse-dim gradient would be summed into whole rows."""
+    w = nn.Parameter(torch.zeros(2, 3))
+    opt = CrossShardOptimizer(tgo.GradientDescentOptimizer([w], 1.0), "sum")
+    w.grad = torch.sparse_coo_tensor(torch.tensor([[1], [2]]), torch.tensor([5.0]), (2, 3))
+    _expect_error(ValueError, ["parameter 0 has 2 sparse dims", "row-sparse"], opt.step)
+    assert not w.detach().any()
+    w.grad = w.grad.to_dense()
+    opt.step()  # the group is still in step: nothing was sent
+    assert w[1, 2] == -5.0 * world and w.detach().count_nonzero() == 1
+
+
+def check_complex_parameters_are_refused_on_every_rank(rank: int, world: int) -> None:
+    z = nn.Parameter(torch.zeros(2, dtype=torch.complex64))
+    words = ["parameter 1 is complex (torch.complex64)", "view_as_real"]
+    _expect_error(
+        TypeError,
+        words,
+        lambda: CrossShardOptimizer(torch.optim.SGD([nn.Parameter(torch.zeros(1)), z], lr=0.1)),
+    )
+
+
 def _expect_error(kind: type[Exception], words: list[str], build: Callable[[], Any]) -> None:
     try:
         build()

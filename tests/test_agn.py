@@ -10,6 +10,7 @@ killed.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import io
 import math
@@ -43,6 +44,7 @@ from torchgrad_compat.agn import (
     LocalEndpoint,
     LocalServerHost,
     ParameterServer,
+    RpcEndpoint,
 )
 from torchgrad_compat.agn.server import serve
 
@@ -249,6 +251,18 @@ def test_a_worker_cannot_finish_push_or_rejoin_under_another_workers_name():
     assert server.global_step == 1 and victim.finish() == 1
     host.dead.add("victim")  # a finished (or dead) worker's name may be taken by a restarted process
     AGNOptimizer(_gd([torch.zeros(1)]), 2, 1, server=host.endpoint("victim"))
+
+
+@pytest.mark.parametrize("seq", [math.inf, "4", 0, True])
+def test_a_push_number_that_is_not_a_positive_int_is_refused(seq):
+    # A float inf was applied, and then every later push was answered as a repeat, unapplied.
+    server, host = _local([torch.zeros(2)], _gd, 1)
+    p = torch.zeros(2)
+    opt = AGNOptimizer(_gd([p]), 1, 1, server=host.endpoint("w"))
+    with pytest.raises(ValueError, match=r"Invalid seq value: .*expected the push's number"):
+        opt._endpoint.request("push", opt._session, seq, {0: torch.ones(2)})
+    opt.apply_gradients([(torch.ones(2), p)])
+    assert server.global_step == 1
 
 
 @pytest.mark.parametrize(
@@ -643,6 +657,34 @@ def _scaled_step(w: torch.Tensor, lso: Any, opt: AGNOptimizer, slope: list[float
     opt.zero_grad()
     lso.get_scaled_loss((w * torch.tensor(slope)).sum()).backward()
     opt.step()
+
+
+@pytest.mark.parametrize(
+    ("key", "bad", "match"),
+    [
+        ("agn_applied", torch.tensor(-5.0), "Invalid agn_applied value: -5.0"),
+        ("agn_applied", torch.tensor(1.5), "Invalid agn_applied value: 1.5"),
+        ("agn_seen", None, "Invalid agn_seen value of parameter 0"),
+        ("agn_seen", torch.tensor(2.0), "Invalid agn_seen value of parameter 0"),
+    ],
+)
+def test_agn_around_loss_scaling_refuses_bad_counts_at_load_and_changes_nothing(key, bad, match):
+    # The push is divided by the applied-step count: a wrong one would move the center wrongly.
+    _, w, lso, opt = _loss_scaled_worker(4)
+    _scaled_step(w, lso, opt, [1.0, 2.0])
+    state = copy.deepcopy(opt.state_dict())
+    if key == "agn_applied":
+        for group in state["param_groups"]:
+            group[key] = bad
+    else:
+        state["state"][0][key] = bad
+    before = copy.deepcopy(opt.state_dict())
+    with pytest.raises(ValueError, match=match):
+        opt.load_state_dict(state)
+    after = opt.state_dict()
+    assert opt.local_step == 1 and torch.equal(
+        after["state"][0]["agn_accumulator"], before["state"][0]["agn_accumulator"]
+    )
 
 
 def test_agn_around_loss_scaling_pushes_unscaled_gradients():
@@ -1168,3 +1210,50 @@ def test_load_state_dict_checks_the_worker_state_before_loading_anything(change,
     assert (
         other.local_step == 0 and not other._pending and torch.equal(other._accumulators[0], torch.zeros(2))
     )
+
+
+class _Unreachable(LocalEndpoint):
+    """Raises for the next ``down`` pushes as if the server were unreachable (nothing applied)."""
+
+    down = 0
+
+    def request(self, method: str, *args: Any) -> Any:
+        if method == "push" and self.down:
+            self.down -= 1
+            raise AGNServerUnavailableError("AGN server 'ps' did not answer 'push' (unreachable)")
+        return super().request(method, *args)
+
+
+def test_a_push_that_fails_twice_stays_a_push_of_its_own_period():
+    # Each period's push is taken before the earlier one is sent again: two periods are not merged
+    # into one push divided by one period.
+    server, host = _local([torch.zeros(1)], _gd, 1)
+    endpoint = _Unreachable(host, "w")
+    p = torch.zeros(1)
+    opt = AGNOptimizer(_gd([p]), 1, communication_period=2, server=endpoint)
+    for step in range(8):
+        endpoint.down = 2 if step in (1, 3) else 0
+        with contextlib.suppress(AGNServerUnavailableError):
+            opt.apply_gradients([(torch.ones(1), p)])
+    assert opt.finish() == 4
+    assert server.global_step == 4 and server.center[0].item() == -4.0  # four pushes of 1.0, none of 2.0
+
+
+def test_a_gradient_that_does_not_fit_is_refused_before_it_is_accumulated():
+    _, host = _local([torch.zeros(3)], _gd, 1)
+    p = torch.zeros(3, requires_grad=True)
+    opt = AGNOptimizer(_gd([p]), 1, communication_period=2, server=host.endpoint("w"))
+    p.grad = torch.ones(3)
+    p.grad.data = torch.ones(1)  # (torch checks p.grad = ..., not p.grad.data = ...)
+    with pytest.raises(ValueError, match="shape"):
+        opt.step()
+    assert opt.local_step == 0 and not opt.state_dict()["state"][0]["agn_accumulator"].any()
+
+
+@pytest.mark.parametrize("value", [0, -1.0, math.inf, math.nan, "10", True])
+def test_waits_that_would_not_be_bounded_are_refused(value):
+    _, host = _local([torch.zeros(1)], _gd, 1)
+    with pytest.raises(ValueError, match=r"Invalid startup_timeout value: .*finite number of seconds > 0"):
+        AGNOptimizer(_gd([torch.zeros(1)]), 1, 1, server=host.endpoint("w"), startup_timeout=value)
+    with pytest.raises(ValueError, match=r"Invalid timeout value"):
+        RpcEndpoint("ps", timeout=value)

@@ -38,7 +38,7 @@ import grpc
 import torch
 
 from .server import AGNError, AGNServerUnavailableError
-from .transport import _ANSWER_ERRORS, ServerEndpoint, ServerHost, _error_answer, _handle
+from .transport import _ANSWER_ERRORS, ServerEndpoint, ServerHost, _error_answer, _handle, check_seconds
 
 if TYPE_CHECKING:
     from .server import ParameterServer
@@ -241,6 +241,8 @@ class GrpcEndpoint(ServerEndpoint):
         self._address = address
         self._metadata = ((_TOKEN_KEY, token),)
         _check_token(token)
+        check_seconds("timeout", timeout)
+        check_seconds("heartbeat_interval", heartbeat_interval)
         self._timeout = timeout
         options = _channel_options(max_message_bytes)
         if root_certificates is None:

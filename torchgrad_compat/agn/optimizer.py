@@ -10,7 +10,7 @@ from torch import Tensor
 
 from ..amp.loss_scale import found_non_finite
 from ..amp.loss_scale_optimizer import LossScaleOptimizer
-from ..optim._base import _called_from_dcp_init, _check_global_step, _describe
+from ..optim._base import _called_from_dcp_init, _check_global_step, _check_grad, _describe, _grads_fit
 from ..optim._wrapper import OptimizerWrapper
 from .transport import RpcEndpoint, ServerEndpoint
 
@@ -132,7 +132,8 @@ class AGNOptimizer(OptimizerWrapper):
         self.local_step = 0
         self.global_step = 0
         self._seq = 0
-        self._unacked: tuple[int, dict[int, Tensor]] | None = None  # a push whose answer did not arrive
+        # Pushes whose answer did not arrive, oldest first (each period's stays a push of its own).
+        self._unacked: list[tuple[int, dict[int, Tensor]]] = []
         specs = [(tuple(p.shape), p.dtype) for p in params]
         self._session, center, self.global_step = self._endpoint.join(
             num_worker, specs, startup_timeout=startup_timeout
@@ -164,6 +165,12 @@ class AGNOptimizer(OptimizerWrapper):
             # p.grad holds scaled gradients until unscale_() divides them in place; step() reuses its check.
             self._optimizer.unscale_()
         grads = [p.grad for p in self._params]
+        # Each gradient is checked against its parameter before it is added: one that does not fit
+        # would be broadcast into the accumulator before the wrapped optimizer refused it.
+        present = [(g, p) for g, p in zip(grads, self._params, strict=True) if g is not None]
+        if not _grads_fit(present):
+            for g, p in present:
+                _check_grad(type(self).__name__, g, p)
         # Accumulate first: the wrapped optimizer may not be the last to read p.grad.
         self._accumulate(grads)
         self._optimizer.step()
@@ -231,14 +238,14 @@ class AGNOptimizer(OptimizerWrapper):
         self.local_step += 1
         if self.local_step % self.communication_period:
             return False
-        self._send_unacked()
+        # This period's push is taken before anything is sent: should an earlier unanswered push
+        # fail again, the two stay two pushes, each divided by its own period.
         pushed = self._take_push()
-        if not pushed:
-            return False
-        self._seq += 1
-        self._unacked = (self._seq, pushed)
+        if pushed:
+            self._seq += 1
+            self._unacked.append((self._seq, pushed))
         self._send_unacked()
-        return True
+        return bool(pushed)
 
     def _take_push(self) -> dict[int, Tensor]:
         """The period's normalized gradients, by parameter index; the accumulators start over."""
@@ -257,25 +264,24 @@ class AGNOptimizer(OptimizerWrapper):
         return pushed
 
     def _send_unacked(self) -> None:
-        """Send the push the server has not acknowledged yet, if any, and pull the center it answers.
+        """Send the pushes the server has not acknowledged yet, in order, and pull the center it answers.
 
         A push whose answer did not arrive (a timeout, a dropped connection) is
         sent again with the same sequence number at the next communication or
         at ``finish()``; the server applies a sequence number at most once, so
         the push counts once whether or not the first attempt reached it.
         """
-        if self._unacked is None:
-            return
-        seq, pushed = self._unacked
-        try:
-            center, self.global_step = self._endpoint.request("push", self._session, seq, pushed)
-        except (ValueError, TypeError):
-            # Refused (a NaN, a shape that does not fit): it never will be accepted, and kept it
-            # would be sent again, and refused, at every later communication and at finish().
-            self._unacked = None
-            raise
-        self._unacked = None
-        self._pull(center)
+        while self._unacked:
+            seq, pushed = self._unacked[0]
+            try:
+                center, self.global_step = self._endpoint.request("push", self._session, seq, pushed)
+            except (ValueError, TypeError):
+                # Refused (a NaN, a shape that does not fit): it never will be accepted, and kept it
+                # would be sent again, and refused, at every later communication and at finish().
+                self._unacked.pop(0)
+                raise
+            self._unacked.pop(0)
+            self._pull(center)
 
     def _pull(self, center: list[Tensor]) -> None:
         with torch.no_grad():
@@ -399,3 +405,17 @@ class AGNOptimizer(OptimizerWrapper):
                     f"AGNOptimizer: loaded 'seen' must be a list of {len(self._seen)} one-element tensors, "
                     f"got {_describe(seen)}"
                 )
+            # Read at load (the push divides by the count): whole numbers in range, or a wrong mean.
+            count = float(applied.detach().reshape(()))
+            if not (count.is_integer() and 0 <= count <= self.communication_period):
+                raise ValueError(
+                    f"Invalid agn_applied value: {count!r}; expected a whole number of steps in "
+                    f"[0, {self.communication_period}] (the steps applied this period)"
+                )
+            for i, flag in enumerate(seen):
+                if not (
+                    isinstance(flag, Tensor) and flag.numel() == 1 and float(flag.reshape(())) in (0.0, 1.0)
+                ):
+                    raise ValueError(
+                        f"Invalid agn_seen value of parameter {i}: {_describe(flag)}; expected 0 or 1"
+                    )

@@ -218,6 +218,9 @@ class ParameterServer:
         self, worker: str, session: Session, seq: int, grads: dict[int, Tensor]
     ) -> tuple[list[Tensor], int]:
         """Apply one normalized push from ``worker``; ``(center, global_step)`` after it."""
+        if isinstance(seq, bool) or not isinstance(seq, int) or seq < 1:
+            # (A float inf would be applied and then swallow every later push as a repeat.)
+            raise ValueError(f"Invalid seq value: {seq!r}; expected the push's number, an int >= 1")
         self._check_push(worker, grads)
         with self._lock:
             record = self._running(worker, session)

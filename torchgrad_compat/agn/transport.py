@@ -52,6 +52,12 @@ __all__ = [
 REQUESTS = ("join", "push", "finish", "snapshot")
 
 
+def check_seconds(arg: str, value: Any) -> None:
+    """Refuse a wait that is not a finite number of seconds > 0 (0, inf or NaN would not bound it)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < math.inf:
+        raise ValueError(f"Invalid {arg} value: {value!r}; expected a finite number of seconds > 0")
+
+
 class ServerEndpoint(ABC):
     """A worker's connection to one AGN server: ``request(method, *args)`` returns the server's answer.
 
@@ -73,6 +79,7 @@ class ServerEndpoint(ABC):
         Also retried while the name is in use: a restarted worker waits for the
         server to find its previous process dead.
         """
+        check_seconds("startup_timeout", startup_timeout)
         deadline = time.monotonic() + startup_timeout
         while True:
             try:
@@ -270,6 +277,8 @@ class RpcServerHost(ServerHost):
     """
 
     def __init__(self, ping_timeout: float | None = None, linger: float = 0.5):
+        if ping_timeout is not None:
+            check_seconds("ping_timeout", ping_timeout)
         self._ping_timeout = ping_timeout
         self._linger = linger
 
@@ -335,6 +344,8 @@ class RpcEndpoint(ServerEndpoint):
     def __init__(self, server: str, worker: str | None = None, timeout: float | None = None):
         if not isinstance(server, str) or not server:
             raise ValueError(f"server must be the AGN server's RPC name, got {server!r}")
+        if timeout is not None:
+            check_seconds("timeout", timeout)  # (torch's RPC takes 0 for no timeout at all)
         if not rpc.api._is_current_rpc_agent_set():
             raise RuntimeError(
                 "AGN over RPC needs torch.distributed.rpc.init_rpc (or init_rpc_from_env) first"
@@ -388,8 +399,8 @@ def init_rpc_from_env(
     every rank is its client. Listening on one address is not authentication:
     see the trust model in this module's docstring.
     """
-    if not (isinstance(startup_timeout, (int, float)) and 0 < startup_timeout < math.inf):
-        raise ValueError(f"Invalid startup_timeout value: {startup_timeout!r}; expected a number > 0")
+    check_seconds("startup_timeout", startup_timeout)
+    check_seconds("rpc_timeout", rpc_timeout)
     rank = int(os.environ["RANK"])
     world_size = int(os.environ["WORLD_SIZE"])
     addr = os.environ.get("MASTER_ADDR", "127.0.0.1")

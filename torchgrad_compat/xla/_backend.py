@@ -467,6 +467,12 @@ def _plan(params: Sequence[Tensor], cap_bytes: int, first_cap_bytes: int) -> lis
     return closed + list(open_.values())
 
 
+def _graph_task_id() -> int | None:
+    """The running backward pass (autograd's graph task), or None where torch does not say."""
+    current = getattr(torch._C, "_current_graph_task_id", None)
+    return None if current is None else current()
+
+
 class _ReadyHook:
     """A post-accumulate-grad hook that does not keep its reducer alive."""
 
@@ -526,6 +532,7 @@ class GradientReducer:
         self._handles: list[Any] = []
         self._average_in_backward = False
         self._in_pass = False
+        self._pass_task: int | None = None  # the autograd graph task of the pass in progress
         self._next = 0
         self.sync_enabled = True
         # True once a backward pass has written its sums to p.grad, until the caller clears it.
@@ -563,6 +570,8 @@ class GradientReducer:
         counts: list[tuple[int, int]] = []
         sparse: dict[int, Tensor] = {}
         views, dense = [], []
+        for i, grad in zip(bucket.indices, grads, strict=True):
+            self._check_row_sparse(i, grad)
         for i, view, grad in zip(bucket.indices, bucket.views, grads, strict=True):
             if grad is None or grad.is_sparse:
                 view.zero_()
@@ -583,6 +592,20 @@ class GradientReducer:
         if bucket.counters is not None:
             bucket.counters.copy_(torch.tensor(counts, dtype=bucket.buffer.dtype))
         bucket.work = self._collective.all_reduce_sum(bucket.buffer)
+
+    def _check_row_sparse(self, i: int, grad: Tensor | None) -> None:
+        """Refuse a sparse gradient other than row-sparse: only its row indices are gathered."""
+        if (
+            grad is not None
+            and grad.is_sparse
+            and (grad.sparse_dim() != 1 or grad.shape != self._params[i].shape)
+        ):
+            raise ValueError(
+                f"CrossShardOptimizer: the sparse gradient of parameter {i} has {grad.sparse_dim()} "
+                f"sparse dims and shape {tuple(grad.shape)}; only row-sparse gradients (one sparse dim, "
+                f"as nn.Embedding(sparse=True) makes) of the parameter's shape "
+                f"{tuple(self._params[i].shape)} are summed"
+            )
 
     def _collect(self, average: bool) -> list[Tensor | None]:
         """Wait for every bucket and read the sums: one entry per parameter."""
@@ -645,6 +668,8 @@ class GradientReducer:
         Dense sums are views of the buckets, valid until the next reduction.
         Bucket ``k + 1`` is filled while bucket ``k`` is on the wire.
         """
+        for i, grad in enumerate(grads):  # (all of them before any collective starts)
+            self._check_row_sparse(i, grad)
         for bucket in self._buckets:
             self._launch(bucket, [grads[i] for i in bucket.indices], average)
         return self._collect(average)
@@ -688,9 +713,26 @@ class GradientReducer:
         grad = param.grad
         return grad.detach() if grad is not None and grad.requires_grad else grad
 
+    def check_no_broken_pass(self, in_backward: bool = False) -> None:
+        """Refuse to go on after a backward pass that raised midway: its ``_finish_pass`` never
+        ran. Seen at the next step (outside backward), or at the next pass's first gradient."""
+        if not self._in_pass:
+            return
+        task = _graph_task_id()
+        if in_backward and (task is None or task == self._pass_task):
+            return  # the pass in progress (or a torch that does not tell passes apart)
+        raise RuntimeError(
+            "CrossShardOptimizer: an earlier backward pass raised after its gradient sums had "
+            f"started ({self._next} of {len(self._buckets)} buckets on the wire). The replicas' "
+            "collectives are no longer paired, and summing on would mix gradients of different "
+            "passes, or of different steps across replicas. Restart the processes and resume "
+            "from a checkpoint."
+        )
+
     def _on_grad_ready(self, i: int) -> None:
         if not self.sync_enabled:
             return
+        self.check_no_broken_pass(in_backward=True)
         if not self._in_pass:
             if self.synced and not self._average_in_backward:
                 raise RuntimeError(
@@ -699,7 +741,7 @@ class GradientReducer:
                     "but the last backward pass under `with opt.no_sync():`, or call step() or "
                     "zero_grad() in between."
                 )
-            self._in_pass = True
+            self._in_pass, self._pass_task = True, _graph_task_id()
             for bucket in self._buckets:
                 bucket.pending = bucket.hooked
             torch.autograd.Variable._execution_engine.queue_callback(self._finish_pass)

@@ -215,6 +215,13 @@ class CrossShardOptimizer(OptimizerWrapper):
             self._bucket_cap_mb = _checked_bucket_cap_mb(bucket_cap_mb)
             # TF validates group_assignment even outside a shard context, against 1 shard.
             self._group_assignment = check_group_assignment(group_assignment, self._num_shards)
+            complex_at = [i for i, p in enumerate(self._all_params()) if p.is_complex()]
+            if distributed and complex_at:
+                raise TypeError(
+                    f"CrossShardOptimizer: parameter {complex_at[0]} is complex "
+                    f"({self._all_params()[complex_at[0]].dtype}), whose gradients it does not sum across "
+                    "replicas; train its torch.view_as_real view instead"
+                )
         except (TypeError, ValueError) as error:
             if not distributed:
                 raise
@@ -363,6 +370,8 @@ class CrossShardOptimizer(OptimizerWrapper):
             # still checked for agreement.
             self._optimizer.step()
             return loss
+        if self._reducer is not None:
+            self._reducer.check_no_broken_pass()
         self._agree_at_first_step()
         if self._reducer is not None and not self._reducer.synced:
             self._reducer.reduce_grads(average=self._reduction == "mean")
