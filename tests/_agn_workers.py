@@ -242,7 +242,12 @@ def bad_input(rank: int, world: int, options: dict[str, Any]) -> Any:
         except ValueError as e:
             errors[f"join_{label}"] = f"{type(e).__name__}: {e}"
     # Another caller using this worker's name, over RPC: no join, push or finish in its place.
-    intruder = RpcEndpoint("ps", worker="worker1")
+    try:  # the server probes liveness by RPC to the worker's name: another name would look dead
+        RpcEndpoint("ps", worker="trainer-a")
+    except ValueError as e:
+        errors["custom_name"] = f"{type(e).__name__}: {e}"
+    intruder = RpcEndpoint("ps")
+    intruder.worker = "worker1"  # (a forged name: RpcEndpoint takes none but its RPC name)
     for label, call in {
         "intruder_join": lambda: intruder.join(1, [((2, 3), torch.float32)], startup_timeout=0.5),
         "intruder_push": lambda: intruder.request(

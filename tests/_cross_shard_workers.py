@@ -392,6 +392,23 @@ def check_a_sparse_gradient_that_is_not_row_sparse_is_refused(rank: int, world: 
     assert w[1, 2] == -5.0 * world and w.detach().count_nonzero() == 1
 
 
+def check_a_parameter_unfrozen_after_construction_is_summed(rank: int, world: int) -> None:
+    """Frozen when the hooks were made: its first gradient is summed at step(), later ones in backward."""
+    a, b = nn.Parameter(torch.zeros(2)), nn.Parameter(torch.zeros(3), requires_grad=False)
+    opt = CrossShardOptimizer(tgo.GradientDescentOptimizer([a, b], 1.0), "sum")
+    ((rank + 1.0) * a.sum()).backward()  # rank r's gradient is r + 1
+    opt.step()
+    b.requires_grad_(True)
+    for _ in range(2):
+        opt.zero_grad()
+        # b's branch made first: autograd reaches a (and sends its bucket) before b's gradient exists.
+        ((rank + 1.0) * b.sum() + (rank + 1.0) * a.sum()).backward()
+        opt.step()
+    total = world * (world + 1) / 2
+    assert torch.equal(a.detach(), torch.full((2,), -3 * total)), a
+    assert torch.equal(b.detach(), torch.full((3,), -2 * total)), b
+
+
 def check_complex_parameters_are_refused_on_every_rank(rank: int, world: int) -> None:
     z = nn.Parameter(torch.zeros(2, dtype=torch.complex64))
     words = ["parameter 1 is complex (torch.complex64)", "view_as_real"]
@@ -550,6 +567,14 @@ def check_different_steps_across_ranks(rank: int, world: int) -> None:
     lr = 0.2 if rank == last else 0.1
     _first_step_error(
         rank, world, lambda ps: tgo.AdamOptimizer(ps, learning_rate=lr), same, ["'lr' differs", "0.1", "0.2"]
+    )
+    # A TF-style callable learning rate is compared by the value it gives (its name is the same).
+    _first_step_error(
+        rank,
+        world,
+        lambda ps: tgo.AdamOptimizer(ps, learning_rate=lambda: lr),
+        same,
+        ["'lr' differs", "giving 0.1 on rank 0", f"giving 0.2 on rank {last}"],
     )
     cls = tgo.MomentumOptimizer if rank == last else tgo.GradientDescentOptimizer
     _first_step_error(

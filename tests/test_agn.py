@@ -471,6 +471,7 @@ def test_rpc_bad_input_gets_clear_errors_and_the_server_keeps_serving(one_worker
     assert "num_worker=2" in errors["join_num_worker"] and "(3,)" in errors["join_shape"]
     assert all("non-finite values" in errors[k] for k in ("nan", "inf")), errors
     assert "a worker named 'worker1' is running" in errors["intruder_join"], errors
+    assert "over RPC a worker is named by its RPC name" in errors["custom_name"], errors
     assert all("wrong session key" in errors[k] for k in ("intruder_push", "intruder_finish")), errors
     assert worker["after"] == [[-1.0] * 3] * 2 and worker["global_step"] == 1
     assert server["center"] == [[[-1.0] * 3] * 2]
@@ -1257,3 +1258,37 @@ def test_waits_that_would_not_be_bounded_are_refused(value):
         AGNOptimizer(_gd([torch.zeros(1)]), 1, 1, server=host.endpoint("w"), startup_timeout=value)
     with pytest.raises(ValueError, match=r"Invalid timeout value"):
         RpcEndpoint("ps", timeout=value)
+
+
+def test_a_worker_beyond_num_worker_is_refused():
+    # It would have been cut off when the others finished: the server counts num_worker of them.
+    server, host = _local([torch.zeros(1)], _gd, 1)
+    AGNOptimizer(_gd([torch.zeros(1)]), 1, 1, server=host.endpoint("a"))
+    with pytest.raises(
+        AGNError, match=r"serves num_worker=1 workers, who have joined \(\['a'\]\); worker 'b'"
+    ):
+        AGNOptimizer(_gd([torch.zeros(1)]), 1, 1, server=host.endpoint("b"), startup_timeout=1)
+    assert sorted(server.workers) == ["a"]
+
+
+class _LosesFirstJoinAnswer(LocalEndpoint):
+    """The server registers the first join, but its answer is lost on the way back."""
+
+    lost = False
+
+    def request(self, method: str, *args: Any) -> Any:
+        answer = super().request(method, *args)
+        if method == "join" and not self.lost:
+            self.lost = True
+            raise AGNServerUnavailableError("AGN server 'ps' did not answer 'join' (the answer was lost)")
+        return answer
+
+
+def test_a_join_whose_answer_was_lost_gets_its_session_on_the_retry():
+    # It used to find its own name in use until startup_timeout: the first attempt had made a session.
+    server, host = _local([torch.zeros(1)], _gd, 1)
+    p = torch.zeros(1)
+    opt = AGNOptimizer(_gd([p]), 1, 1, server=_LosesFirstJoinAnswer(host, "w"), startup_timeout=5)
+    assert server.workers["w"].incarnation == 1
+    opt.apply_gradients([(torch.ones(1), p)])
+    assert server.global_step == 1 and opt.finish() == 1

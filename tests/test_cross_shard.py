@@ -43,6 +43,7 @@ TWO_RANK_CHECKS = [
     "fused_as_the_reference_loop",
     "a_sparse_gradient_that_is_not_row_sparse_is_refused",
     "complex_parameters_are_refused_on_every_rank",
+    "a_parameter_unfrozen_after_construction_is_summed",
     # Last: the failed pass leaves a bucket's all-reduce unwaited (complete on both ranks).
     "a_backward_pass_that_raised_midway_stops_the_next_step",
 ]

@@ -76,6 +76,7 @@ class _Worker:
     last_seq: int = 0
     pushes: int = 0
     state: str = "running"  # "running", "finished" or "dead"
+    join_nonce: str = ""  # the worker's token for the join that made its session (a retry sends it again)
 
 
 def _apply(optimizer: torch.optim.Optimizer, params: list[Tensor], grads: dict[int, Tensor]) -> None:
@@ -182,10 +183,13 @@ class ParameterServer:
         num_worker: int,
         specs: Sequence[tuple[tuple[int, ...], torch.dtype]],
         session: Session | None = None,
+        nonce: str | None = None,
     ) -> tuple[Session, list[Tensor], int]:
         """Register ``worker``; ``(session, center, global_step)``. The worker's parameters must match.
 
         ``session``: the worker's current session, to start it over while it is running.
+        ``nonce``: the worker's token for this join. A join whose answer was lost is sent again
+        with it, and gets the session it made (not "name in use" from its own first attempt).
         """
         if num_worker != self.num_worker:
             raise ValueError(
@@ -200,15 +204,30 @@ class ParameterServer:
             )
         with self._lock:
             record = self.workers.get(worker)
+            if (
+                record is not None
+                and record.state == "running"
+                and isinstance(nonce, str)
+                and nonce
+                and hmac.compare_digest(nonce, record.join_nonce)
+            ):
+                return (record.incarnation, record.key), self._center_copy(), self.global_step
             if record is not None and record.state == "running" and not self._holds(record, session):
                 raise AGNNameInUseError(
                     f"AGN server {self.name!r}: a worker named {worker!r} is running (session "
                     f"{record.incarnation}); a name is bound to the process that joined with it. If that "
                     "process died, the server notices within its liveness probe and the name is free again"
                 )
+            if worker not in self.workers and len(self.workers) >= self.num_worker:
+                # One more would be cut off when the others finish (the server counts num_worker).
+                raise AGNError(
+                    f"AGN server {self.name!r} serves num_worker={self.num_worker} workers, who have "
+                    f"joined ({sorted(self.workers)}); worker {worker!r} is one too many"
+                )
             record = self.workers.setdefault(worker, _Worker())
             record.incarnation += 1
             record.key = secrets.token_hex(16)
+            record.join_nonce = nonce if isinstance(nonce, str) else ""
             record.last_seq = 0
             record.state = "running"
             self._changed.notify_all()

@@ -21,6 +21,7 @@ from __future__ import annotations
 import fcntl
 import math
 import os
+import secrets
 import socket
 import struct
 import threading
@@ -81,9 +82,12 @@ class ServerEndpoint(ABC):
         """
         check_seconds("startup_timeout", startup_timeout)
         deadline = time.monotonic() + startup_timeout
+        # One token for every attempt: an attempt whose answer was lost made a session, which the
+        # next attempt gets back instead of finding the name in use.
+        nonce = secrets.token_hex(16)
         while True:
             try:
-                return self.request("join", *args)
+                return self.request("join", *args, None, nonce)
             except AGNNameInUseError:
                 if time.monotonic() >= deadline:
                     raise
@@ -337,7 +341,8 @@ class RpcEndpoint(ServerEndpoint):
 
     Args:
         server: the server process's RPC name.
-        worker: this worker's name (default: this process's RPC name).
+        worker: this worker's name: this process's RPC name (the default; the server
+            probes a worker's liveness by RPC to it, so no other is accepted).
         timeout: seconds per request (default: the RPC agent's timeout).
     """
 
@@ -351,7 +356,13 @@ class RpcEndpoint(ServerEndpoint):
                 "AGN over RPC needs torch.distributed.rpc.init_rpc (or init_rpc_from_env) first"
             )
         self.server = server
-        self.worker = rpc.get_worker_info().name if worker is None else worker
+        own = rpc.get_worker_info().name
+        if worker is not None and worker != own:
+            # The server probes a worker's liveness by RPC to that name: another would look dead.
+            raise ValueError(
+                f"Invalid worker value: {worker!r}; over RPC a worker is named by its RPC name ({own!r})"
+            )
+        self.worker = own
         self._timeout = rpc.api.UNSET_RPC_TIMEOUT if timeout is None else timeout
         try:
             rpc.get_worker_info(server)

@@ -353,8 +353,21 @@ def _setting(value: Any) -> Any:
     if isinstance(value, (list, tuple)):
         return [_setting(v) for v in value]
     if callable(value):
-        return f"callable {getattr(value, '__qualname__', type(value).__qualname__)}"
+        name = f"callable {getattr(value, '__qualname__', type(value).__qualname__)}"
+        try:
+            now = value()  # a TF-style zero-argument hyperparameter: its value now, as the step reads it
+        except TypeError:
+            return name  # takes arguments: not a hyperparameter read at the step
+        return [name, _setting(now)]
     return f"{type(value).__qualname__} {value!r}"
+
+
+def _shown(value: Any) -> str:
+    """A hyperparameter for an error message: a callable with the value it gives (see ``_setting``)."""
+    setting = _setting(value)
+    if callable(value) and isinstance(setting, list):
+        return f"{setting[0].removeprefix('callable ')} giving {value()!r}"
+    return repr(value)
 
 
 _BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
@@ -387,7 +400,7 @@ def check_same_step_on_every_rank(
     mine = {
         "optimizer": optimizer_chain,
         "groups": [{k: _setting(v) for k, v in group.items() if k != "params"} for group in param_groups],
-        "shown": [{k: repr(v) for k, v in group.items() if k != "params"} for group in param_groups],
+        "shown": [{k: _shown(v) for k, v in group.items() if k != "params"} for group in param_groups],
         "params": collective.to_host(_fingerprints(params)),
     }
     everyone = [json.loads(b) for b in collective.all_gather_bytes(json.dumps(mine, sort_keys=True).encode())]
@@ -530,6 +543,8 @@ class GradientReducer:
         # Parameter index -> its bucket.
         self._bucket_of = {i: bucket for bucket in self._buckets for i in bucket.indices}
         self._handles: list[Any] = []
+        self._unhooked: list[int] = []  # parameters frozen when the hooks were made
+        self.left_out: list[int] = []  # of those, the ones the last pass left with a local gradient
         self._average_in_backward = False
         self._in_pass = False
         self._pass_task: int | None = None  # the autograd graph task of the pass in progress
@@ -701,6 +716,20 @@ class GradientReducer:
         for i, p in enumerate(self._params):
             if p.requires_grad:
                 self._handles.append(p.register_post_accumulate_grad_hook(_ReadyHook(self, i)))
+            else:
+                self._unhooked.append(i)
+
+    def unfrozen(self) -> list[int]:
+        """Parameters that require grad now but did not when the hooks were made (none are theirs)."""
+        return [i for i in self._unhooked if self._params[i].requires_grad]
+
+    @torch.no_grad()
+    def reduce_left_out(self) -> None:
+        """Replace ``p.grad`` of the parameters the last pass left local by its cross-replica sum."""
+        wanted, self.left_out = set(self.left_out), []
+        grads = [p.grad if i in wanted else None for i, p in enumerate(self._params)]
+        results = self.reduce(grads, average=self._average_in_backward)
+        self._write_grads([r if i in wanted else None for i, r in enumerate(results)])
 
     def close(self) -> None:
         for handle in self._handles:
@@ -760,7 +789,13 @@ class GradientReducer:
         try:
             while self._next < len(self._buckets):
                 self._launch_next()
-            self._write_grads(self._collect(self._average_in_backward))
+            results = self._collect(self._average_in_backward)
+            self._write_grads(results)
+            # A parameter without a hook (frozen when they were made) whose gradient came after
+            # its bucket left, on every rank: its gradient is still the local one.
+            self.left_out = [
+                i for i in self._unhooked if results[i] is None and self._params[i].grad is not None
+            ]
         finally:
             self._in_pass = False
             self._next = 0

@@ -373,11 +373,17 @@ class CrossShardOptimizer(OptimizerWrapper):
         if self._reducer is not None:
             self._reducer.check_no_broken_pass()
         self._agree_at_first_step()
+        unfrozen = self._reducer.unfrozen() if self._reducer is not None else []
         if self._reducer is not None and not self._reducer.synced:
             self._reducer.reduce_grads(average=self._reduction == "mean")
+        elif self._reducer is not None and self._reducer.left_out:
+            # Unfrozen after the hooks were made, with a gradient that came after its bucket left.
+            self._reducer.reduce_left_out()
         self._optimizer.step()
         if self._reducer is not None:
             self._reducer.synced = False
+        if unfrozen:
+            self._build_reducer()  # hooks for them from the next pass on
         return loss
 
     # ------------------------------------------------------------------ TF style
