@@ -49,7 +49,10 @@ def _run_replicas(replicas: int, out: Path, *extra: str) -> Path:
             env=env,
         )
         late = "Termination timeout for" in result.stderr and "arrived on time" in result.stderr
-        if result.returncode == 0 or not late or attempts == 2:
+        # The abort can also reach the parent only as a replica process that vanished (seen
+        # twice in seven runs on this machine, once with no other load; never twice in a row).
+        vanished = "BrokenProcessPool" in result.stderr
+        if result.returncode == 0 or not (late or vanished) or attempts == 2:
             break
     if result.returncode != 0:
         pytest.fail(

@@ -218,12 +218,6 @@ class ParameterServer:
                     f"{record.incarnation}); a name is bound to the process that joined with it. If that "
                     "process died, the server notices within its liveness probe and the name is free again"
                 )
-            if worker not in self.workers and len(self.workers) >= self.num_worker:
-                # One more would be cut off when the others finish (the server counts num_worker).
-                raise AGNError(
-                    f"AGN server {self.name!r} serves num_worker={self.num_worker} workers, who have "
-                    f"joined ({sorted(self.workers)}); worker {worker!r} is one too many"
-                )
             record = self.workers.setdefault(worker, _Worker())
             record.incarnation += 1
             record.key = secrets.token_hex(16)

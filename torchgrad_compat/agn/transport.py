@@ -74,7 +74,14 @@ class ServerEndpoint(ABC):
     def request(self, method: str, *args: Any) -> Any:
         """Send one request and wait for its answer."""
 
-    def join(self, *args: Any, startup_timeout: float) -> Any:
+    def join(
+        self,
+        num_worker: int,
+        specs: Any,
+        session: Any = None,
+        *,
+        startup_timeout: float,
+    ) -> Any:
         """``request("join", ...)``, retried for up to ``startup_timeout`` s while the server is not ready.
 
         Also retried while the name is in use: a restarted worker waits for the
@@ -87,7 +94,7 @@ class ServerEndpoint(ABC):
         nonce = secrets.token_hex(16)
         while True:
             try:
-                return self.request("join", *args, None, nonce)
+                return self.request("join", num_worker, specs, session, nonce)
             except AGNNameInUseError:
                 if time.monotonic() >= deadline:
                     raise
