@@ -17,6 +17,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from _autograd import FailingBackward
 from _procs import init_gloo
 from optim_specs import FUSED_TOL
 from torch import Tensor, nn
@@ -356,23 +357,13 @@ def check_state_dict_resume(rank: int, world: int) -> None:
     assert opt.get_slot_names() == ["m", "v"] and len(opt.variables()) == 2 * 5 + 2
 
 
-class _FailingBackward(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx: Any, x: Tensor) -> Tensor:
-        return x.clone()
-
-    @staticmethod
-    def backward(ctx: Any, grad: Tensor) -> Tensor:
-        raise RuntimeError("backward failed on purpose")
-
-
 def check_a_backward_pass_that_raised_midway_stops_the_next_step(rank: int, world: int) -> None:
     """The pass raised after a bucket went on the wire: going on would pair the replicas'
     collectives wrongly (a silent drift), so every later step and pass refuses, on every rank."""
     a, b = nn.Parameter(torch.ones(3)), nn.Parameter(torch.ones(3))
     opt = CrossShardOptimizer(tgo.GradientDescentOptimizer([a, b], 0.1), "sum", bucket_cap_mb=1e-9)
     # a's node is made last, so autograd reaches it (and launches its bucket) before b's fails.
-    loss = _FailingBackward.apply(b).sum() + (a * 2).sum()
+    loss = FailingBackward.apply(b).sum() + (a * 2).sum()
     _expect_error(RuntimeError, ["backward failed on purpose"], loss.backward)
     words = ["earlier backward pass raised", "buckets on the wire", "Restart the processes"]
     _expect_error(RuntimeError, words, opt.step)

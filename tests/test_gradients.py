@@ -18,6 +18,7 @@ from typing import Any
 import pytest
 import torch
 import torch.nn.functional as F
+from _autograd import FailingBackward
 from torch import Tensor
 
 import torchgrad_compat.optim as tgo
@@ -449,20 +450,10 @@ def test_stop_gradients_hooks_are_removed() -> None:
 def test_stop_gradients_hooks_are_removed_after_an_error() -> None:
     x = _leaf((3,), 13)
     h = x * x
-    y = _Failing.apply(h).sum()
+    y = FailingBackward.apply(h).sum()
     with pytest.raises(RuntimeError, match="backward failed on purpose"):
         gradients(y, x, stop_gradients=[h])
     torch.testing.assert_close(gradients(h.sum(), x)[0], 2 * x)
-
-
-class _Failing(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx: Any, t: Tensor) -> Tensor:
-        return t.clone()
-
-    @staticmethod
-    def backward(ctx: Any, g: Tensor) -> Tensor:
-        raise RuntimeError("backward failed on purpose")
 
 
 class _CubeWithHostSync(torch.autograd.Function):
