@@ -353,7 +353,7 @@ class LossScaleOptimizer(OptimizerWrapper):
         else:
             unscaled: list[Tensor] = []
             # Which parameter each gradient is of, for an error (the first, for one shared by two).
-            owner = {id(p.grad): i for i, p in reversed(list(enumerate(self._all_params())))}
+            owner = {id(p.grad): i for i, p in reversed(list(enumerate(params)))}
             names = [f"p.grad of parameter {owner[id(g)]}" for g in grads]
             for g in grads:
                 if g.is_sparse:

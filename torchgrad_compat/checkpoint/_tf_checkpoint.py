@@ -314,36 +314,44 @@ def _slot_view(key: str, slot: Tensor, part: Tensor, param: Tensor) -> Tensor:
     return slot.as_strided(part.shape, part.stride(), slot.storage_offset() + offset)
 
 
-def _check_scope(scope: Any, object_based: bool) -> None:
-    if scope is None:
-        return
-    if not isinstance(scope, str) or not scope or scope.startswith("/") or scope.endswith("/"):
+def _check_tf_names(object_based: bool, scope: Any, **suffixes: Any) -> None:
+    """Check ``scope`` and the ``*_suffix`` arguments (None: not given); all are name-based only."""
+    for arg, suffix in suffixes.items():
+        if suffix is not None and (not isinstance(suffix, str) or not re.fullmatch(r"(_\d+)?", suffix)):
+            raise ValueError(f"{arg} must be '' or '_' and a number (TF's), got {suffix!r}")
+    if scope is not None and (
+        not isinstance(scope, str) or not scope or scope.startswith("/") or scope.endswith("/")
+    ):
         raise ValueError(f"scope must be a TF scope name such as 'train' (no '/' at its ends), got {scope!r}")
-    if object_based:
-        raise ValueError(
-            f"scope={scope!r} is for name-based checkpoints; an object-based one names each "
-            "optimizer's state by its path (optimizer_name)"
-        )
+    for arg, value in {**suffixes, "scope": scope}.items():
+        if value and object_based:
+            raise ValueError(
+                f"{arg}={value!r} is for name-based checkpoints; an object-based one "
+                "names each optimizer's state by its path (optimizer_name)"
+            )
 
 
-def _slots_scoped(
-    reader: BundleReader,
-    parsed: dict[str, tuple[Tensor, tuple[int, ...] | None]],
-    opt: tgo.Optimizer | None,
-    scope: str,
-    optimizer_name: str,
-) -> bool:
-    """Whether the checkpoint holds the slots under ``scope`` (a variable scope) or not (a name scope)."""
-    if opt is None:
-        return True
-    managed = {id(p) for group in opt.param_groups for p in group["params"]}
-    for key, (t, _) in parsed.items():
-        if id(t) in managed:
-            if f"{scope}/{key}/{optimizer_name}" in reader.entries:
-                return True
-            if f"{key}/{optimizer_name}" in reader.entries:
-                return False
+def _slots_scoped(reader: BundleReader, keys: Sequence[str], scope: str, optimizer_name: str) -> bool:
+    """Whether the checkpoint holds the slots of ``keys`` (the optimizer's variables) under ``scope``
+    (a variable scope) or not (a name scope)."""
+    for key in keys:
+        if f"{scope}/{key}/{optimizer_name}" in reader.entries:
+            return True
+        if f"{key}/{optimizer_name}" in reader.entries:
+            return False
     return True
+
+
+def _keys_of_managed(
+    parsed: dict[str, tuple[Tensor, tuple[int, ...] | None]],
+    parts: dict[str, Tensor],
+    opt: tgo.Optimizer | None,
+) -> list[str]:
+    """The ``var_map`` names whose tensor is (or is part of) one of ``opt``'s parameters: those with slots."""
+    if opt is None:
+        return []
+    managed = {id(p) for group in opt.param_groups for p in group["params"]}
+    return [key for key, (t, _) in parsed.items() if id(parts.get(key, t)) in managed]
 
 
 def _parse_layout(name: str, layout: Any, ndim: int) -> tuple[int, ...] | None:
@@ -601,15 +609,8 @@ def _load(
     if optimizer_name is not None and (not isinstance(optimizer_name, str) or not optimizer_name):
         raise TypeError(f"optimizer_name must be a non-empty str, got {optimizer_name!r}")
     default = "optimizer" if object_based else (_default_name(opt) if opt is not None else "")
-    for arg, suffix in (("non_slot_suffix", non_slot_suffix), ("loss_scale_suffix", loss_scale_suffix)):
-        if suffix is not None and (not isinstance(suffix, str) or not re.fullmatch(r"(_\d+)?", suffix)):
-            raise ValueError(f"{arg} must be '' or '_' and a number (TF's), got {suffix!r}")
-        if suffix and object_based:
-            raise ValueError(
-                f"{arg}={suffix!r} is for name-based checkpoints; an object-based one "
-                "names each optimizer's state by its path (optimizer_name)"
-            )
-    _check_scope(scope, object_based)
+    _check_tf_names(object_based, scope, non_slot_suffix=non_slot_suffix, loss_scale_suffix=loss_scale_suffix)
+    managed_keys = _keys_of_managed(parsed, parts, opt)
     name = optimizer_name or default
     names = _Names(
         object_based,
@@ -619,7 +620,7 @@ def _load(
         loss_scale_suffix or "",
         scope or "",
         # A name scope leaves the slots unscoped: read them where the checkpoint has them.
-        scoped_slots=bool(scope) and _slots_scoped(reader, parsed, opt, scope, name),
+        scoped_slots=bool(scope) and _slots_scoped(reader, managed_keys, scope, name),
     )
 
     global_step_name = next(
@@ -631,8 +632,7 @@ def _load(
     # 1. Validate everything, reading no data into memory.
     mismatched, corrupt = _validate(reader, targets, global_step_name)
     if opt is not None:
-        with_params = {k: (parts.get(k, t), perm) for k, (t, perm) in parsed.items()}
-        mismatched.update(_extra_slots(reader, with_params, opt, names, {t.name for t in targets}))
+        mismatched.update(_extra_slots(reader, managed_keys, opt, names, {t.name for t in targets}))
         if not object_based and non_slot_suffix is None:
             mismatched.update(_ambiguous_non_slot(reader, opt, names.non_slot_prefix))
     if loss_scale is not None and not object_based and loss_scale_suffix is None:
@@ -770,7 +770,7 @@ def _numbered_twins(reader: BundleReader, keys: Sequence[str], whose: str, arg: 
 
 def _extra_slots(
     reader: BundleReader,
-    parsed: dict[str, tuple[Tensor, tuple[int, ...] | None]],
+    managed_keys: list[str],
     opt: tgo.Optimizer,
     names: _Names,
     wanted: set[str],
@@ -781,10 +781,7 @@ def _extra_slots(
     centered RMSProp's by a plain one, would otherwise fill the wrong slots
     silently: TF numbers a variable's slots ``v/N``, ``v/N_1``, ... by creation order.
     """
-    managed = {id(p) for group in opt.param_groups for p in group["params"]}
-    keys = {
-        names.variable(key).removesuffix(_ATTRIBUTE) for key, (t, _) in parsed.items() if id(t) in managed
-    }
+    keys = {names.variable(key).removesuffix(_ATTRIBUTE) for key in managed_keys}
     if not names.object_based:
         keys = {names.slot_prefix + key for key in keys}
     extra = {}
@@ -927,10 +924,7 @@ def save_tf_checkpoint(
         parsed, parts = _as_parameters(parsed, opt)
     if optimizer_name is not None and (not isinstance(optimizer_name, str) or not optimizer_name):
         raise TypeError(f"optimizer_name must be a non-empty str, got {optimizer_name!r}")
-    for arg, suffix in (("non_slot_suffix", non_slot_suffix), ("loss_scale_suffix", loss_scale_suffix)):
-        if not isinstance(suffix, str) or not re.fullmatch(r"(_\d+)?", suffix):
-            raise ValueError(f"{arg} must be '' or '_' and a number (TF's), got {suffix!r}")
-    _check_scope(scope, object_based=False)
+    _check_tf_names(False, scope, non_slot_suffix=non_slot_suffix, loss_scale_suffix=loss_scale_suffix)
     for arg, flag in (("scoped_slots", scoped_slots), ("append", append)):
         if not isinstance(flag, bool):
             raise TypeError(f"{arg} must be a bool, got {type(flag).__name__}: {flag!r}")

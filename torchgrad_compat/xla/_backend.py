@@ -358,15 +358,14 @@ def _setting(value: Any) -> Any:
             now = value()  # a TF-style zero-argument hyperparameter: its value now, as the step reads it
         except TypeError:
             return name  # takes arguments: not a hyperparameter read at the step
-        return [name, _setting(now)]
+        return [name, _setting(now), repr(now)]
     return f"{type(value).__qualname__} {value!r}"
 
 
-def _shown(value: Any) -> str:
-    """A hyperparameter for an error message: a callable with the value it gives (see ``_setting``)."""
-    setting = _setting(value)
+def _shown(value: Any, setting: Any) -> str:
+    """A hyperparameter for an error message, from its ``_setting`` (a callable is not called again)."""
     if callable(value) and isinstance(setting, list):
-        return f"{setting[0].removeprefix('callable ')} giving {value()!r}"
+        return f"{setting[0].removeprefix('callable ')} giving {setting[2]}"
     return repr(value)
 
 
@@ -397,10 +396,14 @@ def check_same_step_on_every_rank(
     """
     params = [p for group in param_groups for p in group["params"]]
     where = [(g, i) for g, group in enumerate(param_groups) for i in range(len(group["params"]))]
+    settings = [{k: _setting(v) for k, v in group.items() if k != "params"} for group in param_groups]
     mine = {
         "optimizer": optimizer_chain,
-        "groups": [{k: _setting(v) for k, v in group.items() if k != "params"} for group in param_groups],
-        "shown": [{k: _shown(v) for k, v in group.items() if k != "params"} for group in param_groups],
+        "groups": settings,
+        "shown": [
+            {k: _shown(v, settings[g][k]) for k, v in group.items() if k != "params"}
+            for g, group in enumerate(param_groups)
+        ],
         "params": collective.to_host(_fingerprints(params)),
     }
     everyone = [json.loads(b) for b in collective.all_gather_bytes(json.dumps(mine, sort_keys=True).encode())]
@@ -585,8 +588,6 @@ class GradientReducer:
         counts: list[tuple[int, int]] = []
         sparse: dict[int, Tensor] = {}
         views, dense = [], []
-        for i, grad in zip(bucket.indices, grads, strict=True):
-            self._check_row_sparse(i, grad)
         for i, view, grad in zip(bucket.indices, bucket.views, grads, strict=True):
             if grad is None or grad.is_sparse:
                 view.zero_()
@@ -781,7 +782,10 @@ class GradientReducer:
     def _launch_next(self) -> None:
         """Launch the next bucket with its parameters' current ``.grad`` (hooked or not: unused, frozen)."""
         bucket = self._buckets[self._next]
-        self._launch(bucket, [self._current_grad(p) for p in bucket.params], self._average_in_backward)
+        grads = [self._current_grad(p) for p in bucket.params]
+        for i, grad in zip(bucket.indices, grads, strict=True):  # (reduce() checks all before any launch)
+            self._check_row_sparse(i, grad)
+        self._launch(bucket, grads, self._average_in_backward)
         self._next += 1
 
     @torch.no_grad()

@@ -215,12 +215,12 @@ class CrossShardOptimizer(OptimizerWrapper):
             self._bucket_cap_mb = _checked_bucket_cap_mb(bucket_cap_mb)
             # TF validates group_assignment even outside a shard context, against 1 shard.
             self._group_assignment = check_group_assignment(group_assignment, self._num_shards)
-            complex_at = [i for i, p in enumerate(self._all_params()) if p.is_complex()]
-            if distributed and complex_at:
+            complex_at = next(((i, p) for i, p in enumerate(self._all_params()) if p.is_complex()), None)
+            if distributed and complex_at is not None:
                 raise TypeError(
-                    f"CrossShardOptimizer: parameter {complex_at[0]} is complex "
-                    f"({self._all_params()[complex_at[0]].dtype}), whose gradients it does not sum across "
-                    "replicas; train its torch.view_as_real view instead"
+                    f"CrossShardOptimizer: parameter {complex_at[0]} is complex ({complex_at[1].dtype}), "
+                    "whose gradients it does not sum across replicas; train its torch.view_as_real view "
+                    "instead"
                 )
         except (TypeError, ValueError) as error:
             if not distributed:
