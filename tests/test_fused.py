@@ -11,7 +11,11 @@ from __future__ import annotations
 import contextlib
 import copy
 import gc
+import os
+import subprocess
+import sys
 import weakref
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -572,6 +576,49 @@ def test_a_cpu_learning_rate_is_read_at_every_step_on_cuda():
         runs.append(params)
     for f, r in zip(*runs, strict=True):
         assert torch.equal(f, r)
+
+
+_STREAM_ORDERED_LOOP = """
+import torch
+from optim_specs import FUSED_TOL, SPECS
+import torchgrad_compat.optim._base as optim_base
+
+assert torch.cuda.get_allocator_backend() == "cudaMallocAsync"
+for spec in SPECS:
+    runs = []
+    for path in ({"fused": True}, {"foreach": False}):
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(*[torch.nn.Linear(64, 64) for _ in range(4)]).cuda()
+        opt = spec.make(list(model.parameters()), **path)
+        x = torch.randn(16, 64, device="cuda")
+        for _ in range(6):
+            opt.zero_grad(set_to_none=True)
+            model(x).tanh().square().mean().backward()
+            opt.step()
+        runs.append([p.detach().clone() for p in model.parameters()])
+    cid = next(iter(spec.configs))
+    rtol, atol = FUSED_TOL[torch.float32] if "learning_rate_power" in spec.configs[cid] else (0, 0)
+    for f, r in zip(*runs, strict=True):
+        torch.testing.assert_close(f, r, rtol=rtol, atol=atol)
+    first = next(iter(model.parameters()))
+    plans = [optim_base._FusedPlan._kept.get(t) for t in [first, *opt.state[first].values()]]
+    assert not any(plan.graphs for plan in plans if plan is not None)
+print("all", len(SPECS), "match")
+"""
+
+
+@NEEDS_CUDA
+def test_the_fused_step_under_the_stream_ordered_allocator_matches_the_loop_on_cuda():
+    """``PYTORCH_CUDA_ALLOC_CONF=backend:cudaMallocAsync`` is chosen when the process starts: a
+    capture of the fused step aborted the process under it, so there the kernels are called
+    one at a time (no graph), with the loop's numbers."""
+    env = {**os.environ, "PYTORCH_CUDA_ALLOC_CONF": "backend:cudaMallocAsync"}
+    env["PYTHONPATH"] = os.pathsep.join([str(Path(__file__).parent), env.get("PYTHONPATH", "")])
+    done = subprocess.run(
+        [sys.executable, "-c", _STREAM_ORDERED_LOOP], env=env, capture_output=True, text=True, timeout=300
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert f"all {len(SPECS)} match" in done.stdout
 
 
 def test_fused_resumes_bitwise_from_a_state_dict():

@@ -1538,7 +1538,7 @@ class _FusedPlan:
         ``_GRAPHS_PER_PLAN`` graphs. One that cannot be captured here is not
         tried again for this plan.
         """
-        if self._capture_failed or torch.cuda.is_current_stream_capturing():
+        if self._capture_failed or torch.cuda.is_current_stream_capturing() or not _caching_allocator():
             return None
         if any(isinstance(v, Tensor) and v.device != grads[0].device for v in scalars.values()):
             # A CPU scalar (a functional caller's) is read on the host as the kernel is launched:
@@ -1663,6 +1663,18 @@ class _StepGraph:
 _STATE_POOLS: dict[torch.device, Any] = {}
 
 
+@functools.cache
+def _caching_allocator() -> bool:
+    """Whether CUDA memory comes from torch's own caching allocator (``backend:native``).
+
+    The graph replay and the private pool rest on how that allocator hands out
+    memory. Under ``PYTORCH_CUDA_ALLOC_CONF=backend:cudaMallocAsync`` a capture of
+    the fused step aborted the process (torch 2.11, H100), so there the kernels
+    are launched one call at a time. The backend is fixed when the process starts.
+    """
+    return torch.cuda.get_allocator_backend() == "native"
+
+
 @contextmanager
 def _apart_from_gradients(device: torch.device) -> Iterator[None]:
     """Allocate, on CUDA, from a memory pool kept for optimizer-wide state, not the default one.
@@ -1681,6 +1693,7 @@ def _apart_from_gradients(device: torch.device) -> Iterator[None]:
         or not hasattr(torch.cuda, "use_mem_pool")
         or torch.compiler.is_compiling()
         or torch.cuda.is_current_stream_capturing()
+        or not _caching_allocator()
     ):
         yield
         return
@@ -1689,7 +1702,7 @@ def _apart_from_gradients(device: torch.device) -> Iterator[None]:
             pool = torch.cuda.MemPool()
             with torch.cuda.use_mem_pool(pool, device=device):
                 pass
-        except RuntimeError:  # e.g. PYTORCH_CUDA_ALLOC_CONF=backend:cudaMallocAsync
+        except RuntimeError:  # a release or build whose allocator refuses private pools
             pool = None
         _STATE_POOLS[device] = pool
     pool = _STATE_POOLS[device]
