@@ -621,6 +621,24 @@ def test_the_fused_step_under_the_stream_ordered_allocator_matches_the_loop_on_c
     assert f"all {len(SPECS)} match" in done.stdout
 
 
+@pytest.mark.parametrize("spec", SPECS, ids=[spec.name.removesuffix("Optimizer") for spec in SPECS])
+def test_a_fused_step_is_seen_by_autograd_as_an_in_place_update(spec: OptimSpec):
+    """The kernels write through raw pointers; the step bumps the version counter of every
+    parameter and slot it writes, so a parameter saved for backward before it is refused after."""
+    params = [torch.nn.Parameter(torch.linspace(0.5, 1.5, 40).reshape(5, 8) * (k + 1)) for k in range(3)]
+    opt = spec.make(params, fused=True)
+    for _ in range(2):
+        saved = (params[0] * params[0]).sum()  # saves params[0] for backward
+        for p in params:
+            p.grad = torch.full_like(p, 0.25)
+        slots = list(opt.state[params[0]].values())
+        versions = [t._version for t in [params[0], *slots]]
+        opt.step()
+        assert all(t._version > v for t, v in zip([params[0], *slots], versions, strict=True)), spec.name
+        with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+            saved.backward()
+
+
 def test_fused_resumes_bitwise_from_a_state_dict():
     grads = [torch.sin(torch.arange(60.0) * (k + 1)).reshape(6, 10) for k in range(4)]
 
