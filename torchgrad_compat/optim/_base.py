@@ -1381,7 +1381,7 @@ def _generated_call(
     torch release's wrappers, a graph that leaves a write to them) None.
     """
     graph_type = getattr(getattr(torch._inductor, "output_code", None), "CompiledFxGraph", None)
-    if graph_type is None:
+    if graph_type is None or any(t is not None and not t.is_floating_point() for t in like):
         return None
     generator = torch.Generator().manual_seed(0)
     rows = [
@@ -1419,6 +1419,15 @@ def _generated_call(
         for a, b in zip(lst, copied, strict=True)
     )
     return generated if agree else None
+
+
+if torch.torch_version.TorchVersion(torch.__version__) >= (2, 5):
+    _bump_versions = torch.autograd.graph.increment_version
+else:  # torch 2.4 takes one tensor a call
+
+    def _bump_versions(tensors: list[Tensor]) -> None:
+        for t in tensors:
+            torch.autograd.graph.increment_version(t)
 
 
 def _layout_arguments(
@@ -1613,7 +1622,7 @@ class _FusedPlan:
         for chunk in self.chunks:
             kernel(chunk, grads, scalars)
         if kernel.inner is not None:
-            torch.autograd.graph.increment_version(self.written)
+            _bump_versions(self.written)
 
     def step_graph(
         self, kernel: _FusedKernel, grads: list[Tensor], scalars: dict[str, Any]
@@ -1744,7 +1753,7 @@ class _StepGraph:
     def replay(self, scalars: dict[str, Any]) -> None:
         torch._foreach_copy_(self.inputs, [scalars[name] for name in self.names])
         self.graph.replay()
-        torch.autograd.graph.increment_version(self.written)
+        _bump_versions(self.written)
         self.replays += 1
 
 
