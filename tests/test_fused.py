@@ -14,6 +14,8 @@ import gc
 import os
 import subprocess
 import sys
+import threading
+import time
 import weakref
 from pathlib import Path
 from typing import Any
@@ -637,6 +639,56 @@ def test_a_fused_step_is_seen_by_autograd_as_an_in_place_update(spec: OptimSpec)
         assert all(t._version > v for t, v in zip([params[0], *slots], versions, strict=True)), spec.name
         with pytest.raises(RuntimeError, match="modified by an inplace operation"):
             saved.backward()
+
+
+@pytest.mark.parametrize("new", [torch.ones(8, dtype=torch.float64), torch.ones(2)], ids=["float64", "short"])
+def test_a_gradient_replaced_by_a_callable_hyperparameter_is_refused(new: torch.Tensor):
+    """A TF-style callable hyperparameter is evaluated after step() has checked the gradients;
+    one that replaces a gradient's data (``.data``: torch checks nothing) must not reach the
+    kernels, which would read it as float32 or past its end."""
+    params = [torch.nn.Parameter(torch.zeros(8)) for _ in range(2)]
+
+    def learning_rate() -> float:
+        params[1].grad.data = new.clone()
+        return 1.0
+
+    opt = tgo.GradientDescentOptimizer(params, learning_rate=learning_rate, fused=True)
+    for p in params:
+        p.grad = torch.ones(8)
+    with pytest.raises(ValueError, match="gradient 1"):
+        opt.step()
+    assert not params[1].detach().any()
+
+
+def test_probes_of_the_generated_call_in_two_threads_leave_inductor_as_it_was():
+    """Finding the generated call patches CompiledFxGraph.__call__ for a moment; two probes at
+    once (two first fused steps in two threads) must not leave one's patch installed, which
+    would keep every input of every later compiled call alive."""
+    from torch._inductor.output_code import CompiledFxGraph
+
+    real = CompiledFxGraph.__call__
+    like, layout = [torch.zeros(2)], [("row", (0, 0)), ("size", 0)]
+    a_inside, a_done = threading.Event(), threading.Event()
+
+    def compiled_a(*args: Any) -> None:
+        a_inside.set()
+        time.sleep(0.2)
+
+    def compiled_b(*args: Any) -> None:
+        a_done.wait(timeout=5)
+
+    def probe_a() -> None:
+        optim_base._generated_call(compiled_a, layout, like, {})
+        a_done.set()
+
+    first = threading.Thread(target=probe_a)
+    first.start()
+    assert a_inside.wait(timeout=5)
+    second = threading.Thread(target=optim_base._generated_call, args=(compiled_b, layout, like, {}))
+    second.start()
+    first.join(timeout=10)
+    second.join(timeout=10)
+    assert CompiledFxGraph.__call__ is real
 
 
 def test_fused_resumes_bitwise_from_a_state_dict():

@@ -32,6 +32,7 @@ import math
 import operator
 import struct
 import sys
+import threading
 import warnings
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager
@@ -1400,6 +1401,21 @@ def _generated_call(
     graph_type = getattr(getattr(torch._inductor, "output_code", None), "CompiledFxGraph", None)
     if graph_type is None or any(t is not None and not t.is_floating_point() for t in like):
         return None
+    with _PROBE_LOCK:
+        return _probed_call(compiled, layout, like, scalars, graph_type)
+
+
+# One probe at a time: each patches CompiledFxGraph.__call__ for the whole process.
+_PROBE_LOCK = threading.Lock()
+
+
+def _probed_call(
+    compiled: Callable[..., Any],
+    layout: list[tuple[str, Any]],
+    like: list[Tensor | None],
+    scalars: dict[str, Any],
+    graph_type: Any,
+) -> Callable[[list[Any]], Any] | None:
     generator = torch.Generator().manual_seed(0)
     rows = [
         [
@@ -1413,15 +1429,19 @@ def _generated_call(
     copies = [[r.clone() for r in lst] for lst in rows]
     seen: list[tuple[Any, list[Any]]] = []
     original = graph_type.__call__
+    probing = threading.get_ident()
 
     def watched(graph: Any, inputs: list[Any]) -> Any:
-        seen.append((graph, list(inputs)))
+        if threading.get_ident() == probing:  # (compiled code other threads run meanwhile)
+            seen.append((graph, list(inputs)))
         return original(graph, inputs)
 
     arguments = _layout_arguments(layout, rows, scalars)
     graph_type.__call__ = watched
     try:
         compiled(*arguments)
+    except Exception:  # the probe only chooses how later calls are made; they still go through compiled
+        return None
     finally:
         graph_type.__call__ = original
     if len(seen) != 1 or not _same_arguments(seen[0][1], arguments):
@@ -1429,7 +1449,10 @@ def _generated_call(
     generated = getattr(seen[0][0], "current_callable", None)
     if generated is None:
         return None
-    generated(_layout_arguments(layout, copies, scalars))
+    try:
+        generated(_layout_arguments(layout, copies, scalars))
+    except Exception:
+        return None
     agree = all(
         torch.equal(a, b) or bool(((a == b) | (a.isnan() & b.isnan())).all())
         for lst, copied in zip(rows, copies, strict=True)
@@ -1695,11 +1718,12 @@ class _FusedPlan:
             torch.is_inference_mode_enabled(),
         )
         # The kernels read and write each row as its parameter's size and its list's dtype: a
-        # row that differs would be read past its end. Gradients are new at every step; from
-        # step() and apply_gradients() each has been checked against its parameter (shape,
-        # dtype, device) before the update began.
+        # row that differs would be read past its end. Gradients are new at every step, and
+        # checked here again although step() checked them: a TF-style callable hyperparameter,
+        # evaluated since, or a subclass's own update can have replaced one. Their devices are
+        # left to the optimizers, which check every gradient against its parameter.
+        _check_rows_fit("gradient", lists[1], signature[1][0], every_step=True)
         if not _ROWS_FIT.get():
-            _check_rows_fit("gradient", lists[1], signature[1][0], every_step=True)
             # Called as a functional form: rows are flattened, so one of its parameter's size
             # in another shape would be applied where the loop refuses it.
             for lst in lists[2:]:
