@@ -531,6 +531,20 @@ def test_cuda_graph_replays_match_the_reference_loop(spec: OptimSpec, cid: str):
             torch.testing.assert_close(f, r, rtol=rtol, atol=atol)
 
 
+def _train_on_cuda(spec: OptimSpec, layers: int, steps: int, **path: Any) -> tuple[torch.nn.Module, Any]:
+    """``steps`` steps of a stack of ``layers`` Linear(64, 64) layers on CUDA, as a training loop does
+    them: ``zero_grad()`` frees the gradients and backward makes new ones."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*[torch.nn.Linear(64, 64) for _ in range(layers)]).cuda()
+    opt = spec.make(list(model.parameters()), **path)
+    x = torch.randn(16, 64, device="cuda")
+    for _ in range(steps):
+        opt.zero_grad(set_to_none=True)
+        model(x).tanh().square().mean().backward()
+        opt.step()
+    return model, opt
+
+
 @NEEDS_CUDA
 @pytest.mark.parametrize("spec", SPECS, ids=[spec.name.removesuffix("Optimizer") for spec in SPECS])
 def test_a_training_loop_replays_the_fused_step_on_cuda(spec: OptimSpec):
@@ -540,14 +554,7 @@ def test_a_training_loop_replays_the_fused_step_on_cuda(spec: OptimSpec):
     So one graph is captured at the third step and replayed from then on."""
 
     def run(**path) -> tuple[list[torch.Tensor], list[int]]:
-        torch.manual_seed(0)
-        model = torch.nn.Sequential(*[torch.nn.Linear(64, 64) for _ in range(12)]).cuda()
-        opt = spec.make(list(model.parameters()), **path)
-        x = torch.randn(16, 64, device="cuda")
-        for _ in range(12):
-            opt.zero_grad(set_to_none=True)
-            model(x).tanh().square().mean().backward()
-            opt.step()
+        model, opt = _train_on_cuda(spec, layers=12, steps=12, **path)
         first = next(iter(model.parameters()))
         kept = [optim_base._FusedPlan._kept.get(t) for t in [first, *opt.state[first].values()]]
         replays = [graph.replays for plan in kept if plan is not None for graph in plan.graphs]
@@ -583,20 +590,14 @@ def test_a_cpu_learning_rate_is_read_at_every_step_on_cuda():
 _STREAM_ORDERED_LOOP = """
 import torch
 from optim_specs import FUSED_TOL, SPECS
+from test_fused import _train_on_cuda
 import torchgrad_compat.optim._base as optim_base
 
 assert torch.cuda.get_allocator_backend() == "cudaMallocAsync"
 for spec in SPECS:
     runs = []
     for path in ({"fused": True}, {"foreach": False}):
-        torch.manual_seed(0)
-        model = torch.nn.Sequential(*[torch.nn.Linear(64, 64) for _ in range(4)]).cuda()
-        opt = spec.make(list(model.parameters()), **path)
-        x = torch.randn(16, 64, device="cuda")
-        for _ in range(6):
-            opt.zero_grad(set_to_none=True)
-            model(x).tanh().square().mean().backward()
-            opt.step()
+        model, opt = _train_on_cuda(spec, layers=4, steps=6, **path)
         runs.append([p.detach().clone() for p in model.parameters()])
     cid = next(iter(spec.configs))
     rtol, atol = FUSED_TOL[torch.float32] if "learning_rate_power" in spec.configs[cid] else (0, 0)
