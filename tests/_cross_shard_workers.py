@@ -585,6 +585,28 @@ def check_different_steps_across_ranks(rank: int, world: int) -> None:
     )
 
 
+def check_a_group_added_later_is_compared_at_the_next_step(rank: int, world: int) -> None:
+    """A group added after training began, with another learning rate on one rank: the next
+    update raises on every rank and changes nothing (else that group would drift apart)."""
+    last = world - 1
+    first = nn.Parameter(torch.ones(2))
+    opt = CrossShardOptimizer(tgo.GradientDescentOptimizer([first], 0.1))
+    (first * first).sum().backward()
+    opt.step()
+    later = nn.Parameter(torch.ones(3))
+    opt.add_param_group({"params": later, "lr": 0.2 if rank == last else 0.1})
+    opt.zero_grad()
+    ((first * first).sum() + (later * later).sum()).backward()
+    before = [first.detach().clone(), later.detach().clone()]
+    _expect_error(
+        RuntimeError,
+        ["param group 1's 'lr' differs", "after add_param_group", "0.1 on rank 0", f"0.2 on rank {last}"],
+        opt.step,
+    )
+    assert torch.equal(first.detach(), before[0]) and torch.equal(later.detach(), before[1])
+    _group_still_usable(world)
+
+
 def check_dcp_state_dict_leaves_the_first_step_check(rank: int, world: int) -> None:
     """torch.distributed.checkpoint's get_state_dict steps a fresh optimizer with zero gradients to
     make its state: on parameters a load will overwrite, so ranks may differ there (a per-rank

@@ -40,6 +40,7 @@ TWO_RANK_CHECKS = [
     "mismatched_parameters",
     "invalid_argument_on_one_rank",
     "different_steps_across_ranks",
+    "a_group_added_later_is_compared_at_the_next_step",
     "fused_as_the_reference_loop",
     "a_sparse_gradient_that_is_not_row_sparse_is_refused",
     "complex_parameters_are_refused_on_every_rank",

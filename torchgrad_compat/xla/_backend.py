@@ -386,13 +386,17 @@ def _fingerprints(params: Sequence[Tensor]) -> Tensor:
 
 
 def check_same_step_on_every_rank(
-    collective: Collective, optimizer_chain: list[str], param_groups: Sequence[dict[str, Any]]
+    collective: Collective,
+    optimizer_chain: list[str],
+    param_groups: Sequence[dict[str, Any]],
+    when: str = "at the first step",
 ) -> None:
     """Raise the same ``RuntimeError`` on every rank unless the ranks are about to take the same step.
 
-    Once, before the first step: the wrapped optimizers (class by class), every
-    param group's hyperparameters, and checksums of the parameters' values.
-    Ranks that differ in any of these would otherwise drift apart in silence.
+    Before the first step (and the first after a group is added: ``when`` says
+    which): the wrapped optimizers (class by class), every param group's
+    hyperparameters, and checksums of the parameters' values. Ranks that
+    differ in any of these would otherwise drift apart in silence.
     """
     params = [p for group in param_groups for p in group["params"]]
     where = [(g, i) for g, group in enumerate(param_groups) for i in range(len(group["params"]))]
@@ -418,8 +422,8 @@ def check_same_step_on_every_rank(
             for key in sorted(set(ours) | set(theirs)):
                 if ours.get(key) != theirs.get(key):
                     raise RuntimeError(
-                        f"CrossShardOptimizer: param group {g}'s {key!r} differs across ranks at the first "
-                        f"step: {first['shown'][g].get(key)} on rank 0, {other['shown'][g].get(key)} on rank "
+                        f"CrossShardOptimizer: param group {g}'s {key!r} differs across ranks {when}: "
+                        f"{first['shown'][g].get(key)} on rank 0, {other['shown'][g].get(key)} on rank "
                         f"{rank}; every rank must use the same hyperparameters"
                     )
         for k, (ours, theirs) in enumerate(zip(first["params"], other["params"], strict=True)):
@@ -427,7 +431,7 @@ def check_same_step_on_every_rank(
                 g, i = where[k]
                 raise RuntimeError(
                     f"CrossShardOptimizer: parameter {i} of param group {g} (shape {tuple(params[k].shape)}) "
-                    f"holds different values on rank 0 and rank {rank} at the first step; start every rank "
+                    f"holds different values on rank 0 and rank {rank} {when}; start every rank "
                     "from the same parameters (the same seed, or a broadcast from rank 0)"
                 )
 

@@ -207,6 +207,7 @@ class CrossShardOptimizer(OptimizerWrapper):
         self._collective: Collective | None = None
         self._reducer: GradientReducer | None = None
         self._agreed_at_first_step = False
+        self._added_a_group = False
         distributed = collective is not None and collective.world_size > 1 and not collective.spmd
         try:
             self._reduction = _checked_reduction(reduction)
@@ -297,8 +298,9 @@ class CrossShardOptimizer(OptimizerWrapper):
         check_same_on_every_rank(self._collective, settings, params_by_group, argument_error)
 
     def _agree_at_first_step(self) -> None:
-        """Once, before the first update: every rank wraps the same optimizer, with the same
-        hyperparameters, over the same parameter values (see ``check_same_step_on_every_rank``)."""
+        """Before the first update, and the first after ``add_param_group``: every rank wraps the
+        same optimizer, with the same hyperparameters, over the same parameter values (see
+        ``check_same_step_on_every_rank``)."""
         if self._collective is None or self._agreed_at_first_step:
             return
         chain, inner = [], self._optimizer
@@ -307,7 +309,8 @@ class CrossShardOptimizer(OptimizerWrapper):
             if not isinstance(inner, OptimizerWrapper):
                 break
             inner = inner.inner_optimizer
-        check_same_step_on_every_rank(self._collective, chain, self.param_groups)
+        when = "at the first step after add_param_group" if self._added_a_group else "at the first step"
+        check_same_step_on_every_rank(self._collective, chain, self.param_groups, when)
         self._agreed_at_first_step = True
 
     def _build_reducer(self) -> None:
@@ -334,6 +337,10 @@ class CrossShardOptimizer(OptimizerWrapper):
         self._check_same_on_every_rank([*self.param_groups, param_group])
         self._optimizer.add_param_group(param_group)
         self._build_reducer()
+        # Its hyperparameters (and every parameter's value) are compared before the next update,
+        # as every group's were before the first.
+        self._agreed_at_first_step = False
+        self._added_a_group = True
 
     # ------------------------------------------------------------------ torch style
     def zero_grad(self, set_to_none: bool = True) -> None:
