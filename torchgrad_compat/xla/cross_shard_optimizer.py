@@ -206,8 +206,8 @@ class CrossShardOptimizer(OptimizerWrapper):
         self._num_shards = 1 if collective is None else collective.world_size
         self._collective: Collective | None = None
         self._reducer: GradientReducer | None = None
-        self._agreed_at_first_step = False
-        self._added_a_group = False
+        # When the ranks are next to check that they take the same step (None: they have).
+        self._agreement_due: str | None = "at the first step"
         distributed = collective is not None and collective.world_size > 1 and not collective.spmd
         try:
             self._reduction = _checked_reduction(reduction)
@@ -301,7 +301,7 @@ class CrossShardOptimizer(OptimizerWrapper):
         """Before the first update, and the first after ``add_param_group``: every rank wraps the
         same optimizer, with the same hyperparameters, over the same parameter values (see
         ``check_same_step_on_every_rank``)."""
-        if self._collective is None or self._agreed_at_first_step:
+        if self._collective is None or self._agreement_due is None:
             return
         chain, inner = [], self._optimizer
         while True:
@@ -309,9 +309,8 @@ class CrossShardOptimizer(OptimizerWrapper):
             if not isinstance(inner, OptimizerWrapper):
                 break
             inner = inner.inner_optimizer
-        when = "at the first step after add_param_group" if self._added_a_group else "at the first step"
-        check_same_step_on_every_rank(self._collective, chain, self.param_groups, when)
-        self._agreed_at_first_step = True
+        check_same_step_on_every_rank(self._collective, chain, self.param_groups, self._agreement_due)
+        self._agreement_due = None
 
     def _build_reducer(self) -> None:
         assert self._collective is not None
@@ -339,8 +338,7 @@ class CrossShardOptimizer(OptimizerWrapper):
         self._build_reducer()
         # Its hyperparameters (and every parameter's value) are compared before the next update,
         # as every group's were before the first.
-        self._agreed_at_first_step = False
-        self._added_a_group = True
+        self._agreement_due = "at the first step after add_param_group"
 
     # ------------------------------------------------------------------ torch style
     def zero_grad(self, set_to_none: bool = True) -> None:
