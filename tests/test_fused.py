@@ -16,6 +16,7 @@ import subprocess
 import sys
 import threading
 import time
+import types
 import weakref
 from pathlib import Path
 from typing import Any
@@ -668,7 +669,9 @@ def test_probes_of_the_generated_call_in_two_threads_leave_inductor_as_it_was():
     from torch._inductor.output_code import CompiledFxGraph
 
     real = CompiledFxGraph.__call__
-    like, layout = [torch.zeros(2)], [("row", (0, 0)), ("size", 0)]
+    # A kernel over one parameter row and one gradient row, with the row's size.
+    kernel = types.SimpleNamespace(layout=[("row", (0, 0)), ("row", (1, 0)), ("size", 0)])
+    like = [torch.zeros(2), torch.zeros(2)]
     a_inside, a_done = threading.Event(), threading.Event()
 
     def compiled_a(*args: Any) -> None:
@@ -679,13 +682,13 @@ def test_probes_of_the_generated_call_in_two_threads_leave_inductor_as_it_was():
         a_done.wait(timeout=5)
 
     def probe_a() -> None:
-        optim_base._generated_call(compiled_a, layout, like, {})
+        optim_base._generated_call(kernel, compiled_a, like, {})
         a_done.set()
 
     first = threading.Thread(target=probe_a)
     first.start()
     assert a_inside.wait(timeout=5)
-    second = threading.Thread(target=optim_base._generated_call, args=(compiled_b, layout, like, {}))
+    second = threading.Thread(target=optim_base._generated_call, args=(kernel, compiled_b, like, {}))
     second.start()
     first.join(timeout=10)
     second.join(timeout=10)

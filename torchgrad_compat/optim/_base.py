@@ -1366,7 +1366,7 @@ class _FusedKernel:
             self.layout = _placeholder_layout(gm, inputs, dummies, scalars)
             if self.layout is not None:
                 self.direct = compiled
-                self.inner = _generated_call(compiled, self.layout, like, scalars)
+                self.inner = _generated_call(self, compiled, like, scalars)
 
     def _through_dynamo_patched(self, lists: list[list[Tensor]], scalars: dict[str, Any]) -> None:
         # Without duck shaping, tensors that happen to share a size get their own symbols, so
@@ -1381,12 +1381,10 @@ class _FusedKernel:
 
 
 def _generated_call(
-    compiled: Callable[..., Any],
-    layout: list[tuple[str, Any]],
-    like: list[Tensor | None],
-    scalars: dict[str, Any],
+    kernel: _FusedKernel, compiled: Callable[..., Any], like: list[Tensor | None], scalars: dict[str, Any]
 ) -> Callable[[list[Any]], Any] | None:
-    """The ``call`` Inductor generated for ``compiled``, if calling it alone gives the same rows.
+    """The ``call`` Inductor generated for ``compiled`` (``kernel``'s, placed by its layout), if
+    calling it alone gives the same rows.
 
     Between ``compiled`` and that function sit AOT autograd's runtime wrappers:
     8 of a call's 19 µs of host time, for a call over 16 tiny rows (CPU). What
@@ -1402,7 +1400,7 @@ def _generated_call(
     if graph_type is None or any(t is not None and not t.is_floating_point() for t in like):
         return None
     with _PROBE_LOCK:
-        return _probed_call(compiled, layout, like, scalars, graph_type)
+        return _probed_call(kernel, compiled, like, scalars, graph_type)
 
 
 # One probe at a time: each patches CompiledFxGraph.__call__ for the whole process.
@@ -1410,8 +1408,8 @@ _PROBE_LOCK = threading.Lock()
 
 
 def _probed_call(
+    kernel: _FusedKernel,
     compiled: Callable[..., Any],
-    layout: list[tuple[str, Any]],
     like: list[Tensor | None],
     scalars: dict[str, Any],
     graph_type: Any,
@@ -1436,7 +1434,14 @@ def _probed_call(
             seen.append((graph, list(inputs)))
         return original(graph, inputs)
 
-    arguments = _layout_arguments(layout, rows, scalars)
+    # Arguments made as the step makes them (a chunk of all the rows; the gradients are list 1).
+    every_row = list(range(FUSED_CHUNK))
+
+    def arguments_for(lists: list[list[Tensor]]) -> list[Any]:
+        chunk = _FusedChunk(every_row, [lst if j != 1 else [] for j, lst in enumerate(lists)], [])
+        return chunk.arguments(kernel, lists[1], scalars)
+
+    arguments = arguments_for(rows)
     graph_type.__call__ = watched
     try:
         compiled(*arguments)
@@ -1450,7 +1455,7 @@ def _probed_call(
     if generated is None:
         return None
     try:
-        generated(_layout_arguments(layout, copies, scalars))
+        generated(arguments_for(copies))
     except Exception:
         return None
     agree = all(
@@ -1468,21 +1473,6 @@ else:  # torch 2.4 takes one tensor a call
     def _bump_versions(tensors: list[Tensor]) -> None:
         for t in tensors:
             torch.autograd.graph.increment_version(t)
-
-
-def _layout_arguments(
-    layout: list[tuple[str, Any]], lists: list[list[Tensor]], scalars: dict[str, Any]
-) -> list[Any]:
-    """A compiled chunk's inputs for ``lists`` (whole chunks of rows), in the order ``layout`` gives."""
-    arguments: list[Any] = []
-    for kind, where in layout:
-        if kind == "row":
-            arguments.append(lists[where[0]][where[1]])
-        elif kind == "scalar":
-            arguments.append(scalars[where])
-        else:
-            arguments.append(lists[0][where].numel())
-    return arguments
 
 
 def _same_arguments(seen: list[Any], given: list[Any]) -> bool:
