@@ -168,7 +168,7 @@ class AGNOptimizer(OptimizerWrapper):
         # Each gradient is checked against its parameter before it is added: one that does not fit
         # would be broadcast into the accumulator before the wrapped optimizer refused it.
         present = [(g, p) for g, p in zip(grads, self._params, strict=True) if g is not None]
-        if not _grads_fit(present):
+        if not _grads_fit([g for g, _ in present], [p for _, p in present]):
             for g, p in present:
                 _check_grad(type(self).__name__, g, p)
         # Accumulate first: the wrapped optimizer may not be the last to read p.grad.
