@@ -15,6 +15,7 @@ import io
 import json
 import math
 import pickle
+import struct
 from pathlib import Path
 from typing import Any
 
@@ -30,6 +31,7 @@ GENERATOR = Path(__file__).parent.parent / "scripts" / "make_tf_loss_scale_fixtu
 SEQUENCES: list[dict[str, Any]] = json.loads((FIXTURES / "tf_loss_scale.json").read_text())["cases"]
 NAN, INF = math.nan, math.inf
 FLOAT32_MAX = torch.finfo(torch.float32).max
+CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
 # The generator's gradient tokens: a vector [1, x, 0.5], or a (3, 2) sparse gradient
 # with values [[1, -2], [0.5, x]] at rows [0, 2].
@@ -142,6 +144,65 @@ def test_differs_from_grad_scaler_at_the_floor() -> None:
         torch._amp_update_scale_(scale, tracker, torch.ones(1), 2.0, 0.5, 3)
     assert float(ours()) == 1.0  # TF: never below 1
     assert float(scale) == 0.25  # GradScaler: no floor
+
+
+def _tf_update(
+    scale: float, good: int, found: bool, multiplier: float, period: int
+) -> tuple[float, int, bool]:
+    """TF's DynamicLossScale.update on one step, in float32 (struct rounds each result to float32)."""
+
+    def f32(x: float) -> float:
+        try:
+            return struct.unpack("f", struct.pack("f", x))[0]
+        except OverflowError:  # a product past float32's range
+            return math.inf
+
+    m = f32(multiplier)
+    if found:
+        return max(f32(scale / m), 1.0), 0, False
+    if good + 1 >= period:
+        grown = f32(scale * m)
+        return (grown if math.isfinite(grown) else scale), 0, True
+    return scale, good + 1, True
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=CUDA)])
+@pytest.mark.parametrize("multiplier", [2.0, 4.0, 2.0**10, 3.0, 1.5])
+@pytest.mark.parametrize(
+    ("initial", "period", "loaded_good"),
+    [
+        (2.0**15, 2, 0),
+        (0.5, 1, 0),
+        (2.0, 3, 7),
+        (FLOAT32_MAX / 2, 2, 1),
+        (2.0**-126, 3, 2),
+        (3.0, 2000, 1999),
+    ],
+    ids=["usual", "below-one", "counter-past-period", "overflow", "tiny", "tf-default"],
+)
+def test_every_update_is_tf_rule(
+    device: str, multiplier: float, initial: float, period: int, loaded_good: int
+) -> None:
+    """Scale, counter and decision after each of 60 random steps, bit for bit TF's rule in float32.
+
+    With a power-of-two multiplier the update runs as GradScaler's one kernel with a floor and a
+    capped counter around it; the other multipliers take TF's operations one by one.
+    """
+    loss_scale = DynamicLossScale(initial_loss_scale=2.0, increment_period=period, multiplier=multiplier)
+    state = loss_scale.state_dict()
+    state.update(current_loss_scale=torch.tensor(initial), good_steps=torch.tensor(loaded_good))
+    loss_scale.load_state_dict(state)
+    loss_scale.to(device)
+    gen = torch.Generator().manual_seed(period)
+    flags = (torch.rand(60, generator=gen) < 0.3).tolist()
+    flags[0] = False  # a finite first step: a loaded counter past the period grows at once
+    scale, good = float(torch.tensor(initial)), loaded_good
+    for step, found in enumerate(flags):
+        scale, good, apply = _tf_update(scale, good, found, multiplier, period)
+        applied = loss_scale.update_from_found_inf(torch.tensor([float(found)], device=device))
+        got = (float(loss_scale()), int(loss_scale.good_steps), bool(applied))
+        assert got == (scale, good, apply), f"step {step}"
+    assert loss_scale.variables()[1].dtype == torch.int64
 
 
 def test_never_overflows() -> None:
