@@ -189,6 +189,41 @@ def check_subgroups_full_batch_equivalence(rank: int, world: int) -> None:
                 )
 
 
+def check_subgroups_that_trained_apart_take_a_group_added_later(rank: int, world: int) -> None:
+    """Subgroups [[0, 1], [2, 3]] sum their own gradients, so after a step their replicas hold
+    different values: a group added later (the same on every rank) is compared, not those."""
+    first = nn.Parameter(torch.ones(2))
+    opt = CrossShardOptimizer(tgo.GradientDescentOptimizer([first], 0.1), group_assignment=[[0, 1], [2, 3]])
+    ((rank + 1.0) * first.sum()).backward()  # subgroup sums 3 and 7
+    opt.step()
+    later = nn.Parameter(torch.ones(3))
+    opt.add_param_group({"params": later, "lr": 0.1})
+    for _ in range(2):
+        opt.zero_grad()
+        ((rank + 1.0) * (first.sum() + later.sum())).backward()
+        opt.step()
+    mean = torch.tensor(1.5 if rank < 2 else 3.5)  # the subgroup's mean of rank + 1
+    lr = torch.tensor(0.1)
+    want_first, want_later = torch.ones(2), torch.ones(3)
+    for _ in range(3):
+        want_first = want_first - mean * lr
+    for _ in range(2):
+        want_later = want_later - mean * lr
+    assert torch.equal(first.detach(), want_first), (first, want_first)
+    assert torch.equal(later.detach(), want_later), (later, want_later)
+    # A later group whose values differ across the world is still refused, on every rank.
+    other = nn.Parameter(torch.full((2,), float(rank)))
+    opt.add_param_group({"params": other, "lr": 0.1})
+    opt.zero_grad()
+    ((rank + 1.0) * (first.sum() + later.sum() + other.sum())).backward()
+    _expect_error(
+        RuntimeError,
+        ["parameter 0 of param group 2", "different values", "after add_param_group"],
+        opt.step,
+    )
+    _group_still_usable(world)
+
+
 def check_subgroup_divisor(rank: int, world: int) -> None:
     """Rank r's gradient is r + 1: the sums and means of the probe in reliability.md (1.5 and 3.5)."""
     cases = [

@@ -51,6 +51,7 @@ TWO_RANK_CHECKS = [
 FOUR_RANK_CHECKS = [
     "subgroup_divisor",
     "subgroups_full_batch_equivalence",
+    "subgroups_that_trained_apart_take_a_group_added_later",
     "invalid_arguments_before_any_collective",
     "mismatched_group_assignment",
     "mismatched_parameters",

@@ -390,16 +390,21 @@ def check_same_step_on_every_rank(
     optimizer_chain: list[str],
     param_groups: Sequence[dict[str, Any]],
     when: str = "at the first step",
+    values_from: int = 0,
 ) -> None:
     """Raise the same ``RuntimeError`` on every rank unless the ranks are about to take the same step.
 
     Before the first step (and the first after a group is added: ``when`` says
     which): the wrapped optimizers (class by class), every param group's
-    hyperparameters, and checksums of the parameters' values. Ranks that
-    differ in any of these would otherwise drift apart in silence.
+    hyperparameters, and checksums of the values of the parameters in groups
+    ``values_from`` on. Ranks that differ in any of these would otherwise drift
+    apart in silence. (After training, the groups before the added ones are
+    not compared: replicas in different subgroups of ``group_assignment``
+    hold different values by then.)
     """
-    params = [p for group in param_groups for p in group["params"]]
-    where = [(g, i) for g, group in enumerate(param_groups) for i in range(len(group["params"]))]
+    compared = list(enumerate(param_groups))[values_from:]
+    params = [p for _, group in compared for p in group["params"]]
+    where = [(g, i) for g, group in compared for i in range(len(group["params"]))]
     settings = [{k: _setting(v) for k, v in group.items() if k != "params"} for group in param_groups]
     mine = {
         "optimizer": optimizer_chain,

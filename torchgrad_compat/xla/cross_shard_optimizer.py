@@ -206,8 +206,10 @@ class CrossShardOptimizer(OptimizerWrapper):
         self._num_shards = 1 if collective is None else collective.world_size
         self._collective: Collective | None = None
         self._reducer: GradientReducer | None = None
-        # When the ranks are next to check that they take the same step (None: they have).
+        # When the ranks are next to check that they take the same step (None: they have), and the
+        # first param group whose parameter values that check compares (see add_param_group).
         self._agreement_due: str | None = "at the first step"
+        self._values_from = 0
         distributed = collective is not None and collective.world_size > 1 and not collective.spmd
         try:
             self._reduction = _checked_reduction(reduction)
@@ -309,7 +311,9 @@ class CrossShardOptimizer(OptimizerWrapper):
             if not isinstance(inner, OptimizerWrapper):
                 break
             inner = inner.inner_optimizer
-        check_same_step_on_every_rank(self._collective, chain, self.param_groups, self._agreement_due)
+        check_same_step_on_every_rank(
+            self._collective, chain, self.param_groups, self._agreement_due, self._values_from
+        )
         self._agreement_due = None
 
     def _build_reducer(self) -> None:
@@ -336,8 +340,11 @@ class CrossShardOptimizer(OptimizerWrapper):
         self._check_same_on_every_rank([*self.param_groups, param_group])
         self._optimizer.add_param_group(param_group)
         self._build_reducer()
-        # Its hyperparameters (and every parameter's value) are compared before the next update,
-        # as every group's were before the first.
+        # Before the next update, every group's hyperparameters and the new group's parameter
+        # values are compared, as every group's were before the first (the others' values may
+        # differ by now: replicas in different subgroups train apart).
+        if self._agreement_due is None:
+            self._values_from = len(self.param_groups) - 1
         self._agreement_due = "at the first step after add_param_group"
 
     # ------------------------------------------------------------------ torch style
