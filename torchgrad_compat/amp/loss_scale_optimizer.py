@@ -12,6 +12,8 @@ from torch import Tensor
 from torch.distributed.tensor import DTensor
 
 from ..optim._base import (
+    _DEVICE_OF,
+    _DTYPE_OF,
     _GRAD_OF,
     LOSS_SCALE_KEY_PREFIX,
     Optimizer,
@@ -321,7 +323,9 @@ class LossScaleOptimizer(OptimizerWrapper):
         fixed scale), so that no collective and no synchronisation follow.
         """
         params = self._all_params()
-        every_grad = list(map(_GRAD_OF, params))
+        compiling = torch.compiler.is_compiling()
+        # (Dynamo traces a comprehension, and breaks the graph at `map` over attrgetter.)
+        every_grad = [p.grad for p in params] if compiling else list(map(_GRAD_OF, params))
         present = [p for g, p in zip(every_grad, params, strict=True) if g is not None]
         if not present:
             raise RuntimeError(
@@ -341,7 +345,7 @@ class LossScaleOptimizer(OptimizerWrapper):
         # One cheap pass for the usual case (dense, contiguous, fitting its parameter, all of one
         # device and dtype); the parameter-by-parameter checks, which name what is wrong, run only
         # when it fails.
-        kind = None if torch.compiler.is_compiling() else _shared_kind(every_grad, present)
+        kind = None if compiling else _shared_kind(every_grad, present)
         fit = kind is not None or _grads_fit(every_grad, present)
         usual = fit and all(map(Tensor.is_contiguous, grads))
         if not usual:
@@ -352,8 +356,19 @@ class LossScaleOptimizer(OptimizerWrapper):
         # one dtype per call for its multi-tensor path.
         by_device: dict[torch.device, dict[torch.dtype, list[Tensor]]] = {}
         summed_later: list[Tensor] = []
-        if usual and kind is not None and not kind[1].is_complex and _each_at_its_own_address(grads, params):
-            by_device[kind[0]] = {kind[1]: grads}
+        # All of one device and dtype: what _shared_kind found, or, for DTensors (FSDP2's shards),
+        # which it leaves out, the same read here.
+        single = kind
+        if usual and kind is None and len(dtypes := set(map(_DTYPE_OF, grads))) == 1:
+            if len(devices := set(map(_DEVICE_OF, grads))) == 1:
+                single = devices.pop(), dtypes.pop()
+        if (
+            usual
+            and single is not None
+            and not single[1].is_complex
+            and _each_at_its_own_address(grads, params)
+        ):
+            by_device[single[0]] = {single[1]: grads}
         else:
             unscaled: list[Tensor] = []
             # Which parameter each gradient is of, for an error (the first, for one shared by two).

@@ -556,13 +556,15 @@ class Optimizer(torch.optim.Optimizer):
             with torch.enable_grad():
                 loss = closure()
         grouped: dict[int, list[tuple[Tensor, Tensor]]] = {}
-        kinds: dict[int, tuple[torch.device, torch.dtype]] = {}
+        kinds: dict[int, tuple[torch.device, torch.dtype] | None] = {}
         checked = self._grads_checked
-        census = not checked and not torch.compiler.is_compiling()
+        compiling = torch.compiler.is_compiling()
+        census = not checked and not compiling
         for gi, group in enumerate(self.param_groups):
             params = group["params"]
-            grads = list(map(_GRAD_OF, params))
-            if not all(map(operator.is_not, grads, itertools.repeat(None))):
+            # (Dynamo traces a comprehension, and breaks the graph at `map` over attrgetter.)
+            grads = [p.grad for p in params] if compiling else list(map(_GRAD_OF, params))
+            if compiling or not all(map(operator.is_not, grads, itertools.repeat(None))):
                 params = [p for g, p in zip(grads, params, strict=True) if g is not None]
                 grads = [g for g in grads if g is not None]
             if not grads:
@@ -578,11 +580,13 @@ class Optimizer(torch.optim.Optimizer):
                 kinds[gi] = checked
             elif checked:
                 continue
-            elif census and (kind := _shared_kind(grads, params)) is not None:
-                kinds[gi] = kind
-            elif not _each_pair_fits(grads, params):
-                for g, p in grouped[gi]:
-                    _check_grad(type(self).__name__, g, p)
+            else:
+                kind = _shared_kind(grads, params) if census else None
+                if kind is None and not _grads_fit(grads, params):
+                    for g, p in grouped[gi]:
+                        _check_grad(type(self).__name__, g, p)
+                if census:
+                    kinds[gi] = kind  # (None: not one kind, which _apply need not find out again)
         if grouped:
             if _called_from_dcp_init():
                 self._create_slots(grouped)
@@ -1021,12 +1025,13 @@ class Optimizer(torch.optim.Optimizer):
     def _apply(
         self,
         grouped: dict[int, list[tuple[Tensor, Tensor]]],
-        kinds: dict[int, tuple[torch.device, torch.dtype]] | None = None,
+        kinds: dict[int, tuple[torch.device, torch.dtype] | None] | None = None,
     ) -> None:
         """Update each group from its checked ``(grad, param)`` pairs, then run ``_finish`` once per group.
 
-        ``kinds``: the groups whose pairs the caller found dense and of one device
-        and dtype (:func:`_shared_kind`), with that device and dtype.
+        ``kinds``: per group, the one device and dtype that the caller found every pair
+        to have (:func:`_shared_kind`), or None where it found none; groups it did not
+        look at are looked at here.
         """
         self._sync_aliases()
         cls = type(self).__name__
@@ -1042,7 +1047,12 @@ class Optimizer(torch.optim.Optimizer):
             # The usual case, read by `map` over the whole lists (0.28 ms per 1000 pairs, against
             # 0.43 ms for the loop below; nothing when the caller found it): one bucket, no sparse
             # gradient, no DTensor. Dynamo traces the loop into fewer graphs.
-            kind = None if compiling else (kinds or {}).get(gi) or _shared_kind(grads, params, checked=True)
+            if compiling:
+                kind = None
+            elif kinds is not None and gi in kinds:
+                kind = kinds[gi]
+            else:
+                kind = _shared_kind(grads, params, checked=True)
             if kind is not None:
                 dense[gi] = {kind: (params, grads)}
                 in_pair_order.add(gi)
@@ -2369,17 +2379,18 @@ def _shared_kind(
 
     ``checked``: each gradient is known to fit its parameter (shape, dtype, device), so only the
     parameters' devices and dtypes are read. Read by ``map`` over whole lists, attribute by
-    attribute: in the usual case it replaces both :func:`_each_pair_fits` and a second reading
+    attribute: in the usual case it replaces both :func:`_grads_fit` and a second reading
     of the devices and dtypes to group the update by them.
     """
-    if set(map(_LAYOUT_OF, grads)) != {torch.strided}:
+    # (First what a group of several dtypes or devices fails at, before the costlier reads.)
+    dtypes = set(map(_DTYPE_OF, params))
+    if len(dtypes) != 1 or len(devices := set(map(_DEVICE_OF, params))) != 1:
         return None
-    if not checked and list(map(_SHAPE_OF, grads)) != list(map(_SHAPE_OF, params)):
+    if set(map(_LAYOUT_OF, grads)) != {torch.strided}:
         return None
     if any(issubclass(t, DTensor) for t in {*map(type, params), *map(type, grads)}):
         return None
-    devices, dtypes = set(map(_DEVICE_OF, params)), set(map(_DTYPE_OF, params))
-    if len(devices) != 1 or len(dtypes) != 1:
+    if not checked and list(map(_SHAPE_OF, grads)) != list(map(_SHAPE_OF, params)):
         return None
     if not checked and (set(map(_DEVICE_OF, grads)) != devices or set(map(_DTYPE_OF, grads)) != dtypes):
         return None
@@ -2387,15 +2398,9 @@ def _shared_kind(
 
 
 def _grads_fit(grads: list[Tensor], params: list[Tensor]) -> bool:
-    """Whether every gradient is dense and strided, with its parameter's shape, dtype and device:
-    one cheap pass for the usual case, before ``_check_grad`` names what is wrong."""
-    if not torch.compiler.is_compiling() and _shared_kind(grads, params) is not None:
-        return True
-    return _each_pair_fits(grads, params)
-
-
-def _each_pair_fits(grads: list[Tensor], params: list[Tensor]) -> bool:
-    """:func:`_grads_fit` pair by pair (parameters of several devices or dtypes in one group)."""
+    """Whether every gradient is dense and strided, with its parameter's shape, dtype and device,
+    pair by pair: where :func:`_shared_kind` finds no one kind (parameters of several devices or
+    dtypes in one group), or where it is not needed; ``_check_grad`` then names what is wrong."""
     strided = torch.strided
     return all(
         g.layout == strided and g.shape == p.shape and g.dtype == p.dtype and g.device == p.device
