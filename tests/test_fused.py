@@ -12,6 +12,7 @@ import contextlib
 import copy
 import gc
 import os
+import re
 import subprocess
 import sys
 import threading
@@ -190,6 +191,24 @@ def test_fused_functional_form_with_grad_mode_on_acts_as_the_loop():
             gradient_descent(params, [torch.ones(40)] * 3, lr=torch.tensor(0.5), **path)
     for p, b in zip(params, before, strict=True):
         assert torch.equal(p.detach(), b)
+
+
+@pytest.mark.parametrize("first", [(1,), ()], ids=["one-element", "0-d"])
+def test_fused_functional_form_refuses_a_hyperparameter_of_more_than_one_element(first):
+    """The loop broadcasts a learning rate shaped like the parameter; the kernels read one value.
+    After a call with one element, a kept kernel took the next call's per-element rates as the
+    first rate for every element: refused instead, before anything moves."""
+    from torchgrad_compat.optim.gradient_descent import gradient_descent
+
+    p, g = torch.ones(37), torch.full((37,), 2.0)
+    with torch.no_grad():
+        gradient_descent([p], [g], lr=torch.full(first, 0.5), foreach=False, fused=True)
+        assert torch.equal(p, torch.zeros(37))
+        for lr in (torch.rand(37), torch.rand(1, 37), torch.ones(0)):
+            words = f"lr must be a tensor of one element, got shape {tuple(lr.shape)}"
+            with pytest.raises(ValueError, match=re.escape(words)):
+                gradient_descent([p], [g], lr=lr, foreach=False, fused=True)
+            assert torch.equal(p, torch.zeros(37))
 
 
 @pytest.mark.parametrize(

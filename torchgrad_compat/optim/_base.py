@@ -1248,6 +1248,13 @@ def _run_fused(single: Callable[..., None], *lists: list[Tensor], **scalars: Any
     :class:`_FusedPlan`). On CUDA, a step's kernel calls are replayed as one
     CUDA graph while the gradients stay where they were (see :class:`_StepGraph`).
     """
+    for name, value in scalars.items():
+        # The kernels read each tensor hyperparameter as one value (the optimizers' are 0-d); one
+        # of another shape, which the loop would broadcast, would be read as its first element.
+        if isinstance(value, Tensor) and value.numel() != 1:
+            raise ValueError(
+                f"fused update: {name} must be a tensor of one element, got shape {tuple(value.shape)}"
+            )
     if torch.compiler.is_compiling() or torch.is_grad_enabled():
         # The kernels are compiled for no_grad (as optimizers step). With grad mode on, the
         # functional form does what the loop does: refuse in-place updates of leaves that
