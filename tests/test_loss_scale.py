@@ -205,6 +205,18 @@ def test_every_update_is_tf_rule(
     assert loss_scale.variables()[1].dtype == torch.int64
 
 
+def test_an_update_under_inference_mode_leaves_later_updates_working() -> None:
+    """The scale's state stays ordinary tensors: an update inside ``torch.inference_mode()``
+    (an evaluation loop that steps) does not make the next one, outside it, raise."""
+    loss_scale = DynamicLossScale(initial_loss_scale=4, increment_period=1)
+    with torch.inference_mode():
+        assert loss_scale.update([torch.ones(2)])
+    assert loss_scale.update([torch.ones(2)])
+    assert not loss_scale.update([torch.tensor([math.inf])])
+    assert (float(loss_scale()), int(loss_scale.good_steps)) == (8.0, 0)
+    assert not any(t.is_inference() for t in loss_scale.variables())
+
+
 def test_never_overflows() -> None:
     """From 1e38 with multiplier 16 the scale stays finite (GradScaler's and TF's capped test)."""
     loss_scale = DynamicLossScale(initial_loss_scale=1e38, increment_period=1, multiplier=16.0)

@@ -263,7 +263,10 @@ class DynamicLossScale(LossScale):
         flag = (found_inf.reshape(()) > 0).to(torch.float32)
         counter = self.__dict__.get("_counter")
         if counter is None or counter.device != self._scale.device:
-            counter = self._counter = torch.zeros((), dtype=torch.int32, device=self._scale.device)
+            # An ordinary tensor even when made under inference_mode, which a later update
+            # outside it could not write.
+            with torch.inference_mode(False):
+                counter = self._counter = torch.zeros((), dtype=torch.int32, device=self._scale.device)
         counter.copy_(self._good_steps.clamp(-(2**31), self._increment_period - 1))
         m = self._multiplier_value
         torch._amp_update_scale_(self._scale, counter, flag, m, 1 / m, self._increment_period)
