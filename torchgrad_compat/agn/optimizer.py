@@ -167,9 +167,10 @@ class AGNOptimizer(OptimizerWrapper):
         grads = [p.grad for p in self._params]
         # Each gradient is checked against its parameter before it is added: one that does not fit
         # would be broadcast into the accumulator before the wrapped optimizer refused it.
-        present = [(g, p) for g, p in zip(grads, self._params, strict=True) if g is not None]
-        if not _grads_fit([g for g, _ in present], [p for _, p in present]):
-            for g, p in present:
+        present = [p for g, p in zip(grads, self._params, strict=True) if g is not None]
+        present_grads = [g for g in grads if g is not None]
+        if not _grads_fit(present_grads, present):
+            for g, p in zip(present_grads, present, strict=True):
                 _check_grad(type(self).__name__, g, p)
         # Accumulate first: the wrapped optimizer may not be the last to read p.grad.
         self._accumulate(grads)

@@ -361,8 +361,8 @@ class Optimizer(torch.optim.Optimizer):
     _non_slot_ranges: ClassVar[tuple[Hyper, ...]] = ()
     # Instance attributes kept by pickling and deepcopy, beyond torch's three.
     _pickled_attributes: ClassVar[tuple[str, ...]] = ("_non_slot_keys",)
-    # True only inside _gradients_checked(): step() then skips its own check of every p.grad.
-    # Set by _gradients_checked: the gradients were checked, and all have this (device, dtype).
+    # Truthy only inside _gradients_checked(): step() then skips its own check of every p.grad;
+    # a (device, dtype) when that check found every parameter and gradient of it.
     _grads_checked: tuple[torch.device, torch.dtype] | bool = False
 
     def __init__(self, params: Iterable[Tensor] | Iterable[dict[str, Any]], defaults: dict[str, Any]):
@@ -576,17 +576,16 @@ class Optimizer(torch.optim.Optimizer):
             # the usual case, and tells _apply the one device and dtype it updates; each
             # gradient is checked, with a named error, only when it fails (and for sparse
             # gradients, whose rows must be checked).
-            if isinstance(checked, tuple):
-                kinds[gi] = checked
-            elif checked:
+            if checked:
+                if isinstance(checked, tuple):
+                    kinds[gi] = checked
                 continue
-            else:
-                kind = _shared_kind(grads, params) if census else None
-                if kind is None and not _grads_fit(grads, params):
-                    for g, p in grouped[gi]:
-                        _check_grad(type(self).__name__, g, p)
-                if census:
-                    kinds[gi] = kind  # (None: not one kind, which _apply need not find out again)
+            kind = _shared_kind(grads, params) if census else None
+            if kind is None and not _grads_fit(grads, params):
+                for g, p in grouped[gi]:
+                    _check_grad(type(self).__name__, g, p)
+            if census:
+                kinds[gi] = kind  # (None: not one kind, which _apply need not find out again)
         if grouped:
             if _called_from_dcp_init():
                 self._create_slots(grouped)
