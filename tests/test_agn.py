@@ -829,7 +829,10 @@ def _listening(pid: int) -> list[str]:
     """``address:port`` of every TCP socket that process ``pid`` listens on (Linux /proc)."""
     inodes = set()
     for fd in Path(f"/proc/{pid}/fd").iterdir():
-        target = os.readlink(fd) if fd.is_symlink() else ""
+        try:
+            target = os.readlink(fd)
+        except OSError:  # closed since the listing (the process is still starting up)
+            continue
         if target.startswith("socket:["):
             inodes.add(target[8:-1])
     found = []
