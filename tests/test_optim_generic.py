@@ -638,6 +638,83 @@ def test_add_param_group_keeps_slots_and_initialises_new_ones():
     assert torch.allclose(opt.get_slot(params[1], "accumulator"), 0.3 + g * g)
 
 
+@pytest.mark.parametrize(("spec", "cid"), SPEC_CONFIGS, ids=SPEC_IDS)
+def test_hyperparameters_kept_between_steps_are_never_written(spec: OptimSpec, cid: str):
+    """A hyperparameter given as a number is made into a tensor once and read at later steps (by
+    every optimizer that uses that number): no update rule, on any path, may write it."""
+    optim_base._NUMBER_TENSORS.clear()
+    for dtype in (torch.float32, torch.float64):
+        for path in ({"foreach": False}, {"foreach": True}, {"fused": True}):
+            params = _params(dtype)
+            opt = spec.make(params, cid, **path)
+            for step in range(3):
+                for p, g in zip(params, _grads(params, step), strict=True):
+                    p.grad = g
+                opt.step()
+        p = _params(dtype)[0]
+        opt = spec.make([p], cid)
+        for step in range(3):
+            values = _grads([torch.zeros(3, 3, dtype=dtype)], step)[0]
+            opt.apply_gradients([(_sparse([2, 0, 2], values, (4, 3)), p)])
+    kept = dict(optim_base._NUMBER_TENSORS)
+    assert kept
+    for (value, _, dtype, device), tensor in kept.items():
+        made = torch.tensor(value, dtype=torch.float32).to(dtype)
+        assert tensor.shape == () and tensor.dtype == dtype and tensor.device == device
+        assert torch.equal(tensor, made) and tensor.signbit() == made.signbit(), (value, dtype, tensor)
+
+
+@pytest.mark.parametrize("fused", [False, True])
+def test_a_learning_rate_of_negative_zero_is_not_taken_for_zero(fused: bool):
+    """0.0 == -0.0, but ``p - g * lr`` differs in sign between them for p = -0.0: TF's float32
+    arithmetic, which the kept hyperparameter tensors must not conflate."""
+    results = []
+    for lr in (0.0, -0.0):
+        p = torch.full((4,), -0.0, requires_grad=True)
+        p.grad = torch.ones(4)
+        tgo.GradientDescentOptimizer([p], learning_rate=lr, fused=fused).step()
+        results.append(p.detach())
+    g, p0 = torch.ones(4), torch.full((4,), -0.0)
+    for lr, got in zip((0.0, -0.0), results, strict=True):
+        expected = p0 - g * torch.tensor(lr)
+        assert torch.equal(got.signbit(), expected.signbit()), (lr, got, expected)
+    assert not torch.equal(results[0].signbit(), results[1].signbit())
+
+
+def test_a_kept_hyperparameter_is_not_handed_to_a_fake_tensor_trace():
+    """Under a dispatch mode (FakeTensorMode, as tracing uses) a hyperparameter is made in that
+    mode, not taken from the real tensors kept for eager steps."""
+    from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
+
+    real = optim_base.float32_tensor(0.375, torch.device("cpu"))
+    assert type(real) is torch.Tensor
+    with FakeTensorMode():
+        traced = optim_base.float32_tensor(0.375, torch.device("cpu"))
+    assert isinstance(traced, FakeTensor)
+    assert optim_base.float32_tensor(0.375, torch.device("cpu")) is real
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_a_hyperparameter_first_made_inside_a_cuda_graph_capture_is_not_kept():
+    """Kernels captured in a CUDA graph run only at replay: a hyperparameter tensor made during
+    the capture holds no value yet, and an eager step with the same number must not read it."""
+    lr = 0.0123  # (a number no other test makes a tensor of)
+    optim_base._NUMBER_TENSORS.clear()
+    p = torch.ones(8, device="cuda", requires_grad=True)
+    p.grad = torch.ones(8, device="cuda")
+    opt = tgo.GradientDescentOptimizer([p], learning_rate=lr, foreach=True)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        opt.step()
+    q = torch.ones(8, device="cuda", requires_grad=True)
+    q.grad = torch.ones(8, device="cuda")
+    tgo.GradientDescentOptimizer([q], learning_rate=lr, foreach=True).step()
+    expected = torch.ones(8) - torch.ones(8) * torch.tensor(lr)
+    assert torch.equal(q.detach().cpu(), expected)
+    graph.replay()
+    assert torch.equal(p.detach().cpu(), expected)
+
+
 # ---------------------------------------------------------------- no-ops and zero gradients
 @pytest.mark.parametrize(("spec", "cid"), DEFAULT_CONFIGS, ids=DEFAULT_IDS)
 def test_step_without_gradients_does_nothing(spec: OptimSpec, cid: str):

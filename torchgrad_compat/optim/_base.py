@@ -249,7 +249,49 @@ def float32_tensor(value: float | Tensor, device: torch.device) -> Tensor:
     """
     if isinstance(value, Tensor):
         return value.to(device=device, dtype=torch.float32)
+    return _number_tensor(value, torch.float32, device)
+
+
+def _number_tensor(value: float, dtype: torch.dtype, device: torch.device) -> Tensor:
+    """The Python number ``value`` rounded to float32, then cast to ``dtype``: a 0-d tensor on
+    ``device``, made once and kept.
+
+    An optimizer's hyperparameters are the same numbers at almost every step,
+    and making one costs three small tensor ops (5 to 10 µs of host time each).
+    The kept tensors are never written: the update rules read hyperparameters
+    and make new tensors from them. Neither kept nor looked up under
+    ``torch.compile`` (which traces the ops and would guard on the number) or
+    a dispatch mode (fake or meta tensors). Not kept where a tensor made now
+    would not hold its value later: in inference mode (an inference tensor), a
+    CUDA stream capture (whose kernels run only at replay), or on devices
+    other than CPU and CUDA (XLA's tensors are lazy).
+    """
+    if torch.compiler.is_compiling() or torch._C._len_torch_dispatch_stack():
+        return _float32_number(value, device).to(dtype)
+    # -0.0 == 0.0, but their tensors differ in sign.
+    key = (value, math.copysign(1.0, value), dtype, device)
+    kept = _NUMBER_TENSORS.get(key)
+    if kept is not None:
+        return kept
+    made = _float32_number(value, device).to(dtype)
+    if (
+        device.type in _FUSED_DEVICES
+        and not torch.is_inference_mode_enabled()
+        and not (device.type == "cuda" and torch.cuda.is_current_stream_capturing())
+    ):
+        if len(_NUMBER_TENSORS) >= _NUMBER_TENSORS_LIMIT:
+            _NUMBER_TENSORS.clear()  # (a learning-rate schedule makes new numbers at every step)
+        _NUMBER_TENSORS[key] = made
+    return made
+
+
+def _float32_number(value: float, device: torch.device) -> Tensor:
     return torch.ones((), dtype=torch.float32, device=device).mul(value).to(torch.float32)
+
+
+# The tensors _number_tensor made, by value, sign, dtype and device.
+_NUMBER_TENSORS: dict[tuple[Any, float, torch.dtype, torch.device], Tensor] = {}
+_NUMBER_TENSORS_LIMIT = 1024
 
 
 class HyperScalars:
@@ -282,14 +324,16 @@ class HyperScalars:
     def tensor(self, value: float | Tensor) -> Tensor:
         """``value`` rounded to float32 (a float64 tensor keeps its precision), then cast to this
         dtype and device."""
-        if isinstance(value, Tensor) and value.dtype == torch.float64:
-            return value.to(device=self.device, dtype=self.dtype)
-        return float32_tensor(value, self.device).to(self.dtype)
+        if isinstance(value, Tensor):
+            if value.dtype == torch.float64:
+                return value.to(device=self.device, dtype=self.dtype)
+            return value.to(device=self.device, dtype=torch.float32).to(self.dtype)
+        return _number_tensor(value, self.dtype, self.device)
 
     @property
     def one(self) -> Tensor:
         if "one" not in self._cache:
-            self._cache["one"] = torch.ones((), dtype=self.dtype, device=self.device)
+            self._cache["one"] = _number_tensor(1, self.dtype, self.device)
         return self._cache["one"]
 
     def value(self, name: str) -> Any:
