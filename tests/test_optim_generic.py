@@ -715,6 +715,28 @@ def test_a_hyperparameter_first_made_inside_a_cuda_graph_capture_is_not_kept():
     assert torch.equal(p.detach().cpu(), expected)
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_a_cuda_graph_capture_does_not_read_a_hyperparameter_kept_from_eager_steps():
+    """A captured graph reads its inputs by address at every replay: a hyperparameter tensor kept
+    for eager steps can be let go (and its memory reused) while the graph lives."""
+    lr = 0.0321  # (a number no other test makes a tensor of)
+    optim_base._NUMBER_TENSORS.clear()
+    p = torch.ones(8, device="cuda", requires_grad=True)
+    p.grad = torch.ones(8, device="cuda")
+    opt = tgo.GradientDescentOptimizer([p], learning_rate=lr, foreach=True)
+    opt.step()  # eager: keeps lr's tensor
+    before = p.detach().clone()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        opt.step()
+    optim_base._NUMBER_TENSORS.clear()
+    junk = [torch.full((), 7.0, device="cuda") for _ in range(256)]
+    graph.replay()
+    expected = before.cpu() - torch.ones(8) * torch.tensor(lr)
+    assert torch.equal(p.detach().cpu(), expected)
+    del junk
+
+
 # ---------------------------------------------------------------- no-ops and zero gradients
 @pytest.mark.parametrize(("spec", "cid"), DEFAULT_CONFIGS, ids=DEFAULT_IDS)
 def test_step_without_gradients_does_nothing(spec: OptimSpec, cid: str):

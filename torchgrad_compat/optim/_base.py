@@ -260,22 +260,24 @@ def _number_tensor(value: float, dtype: torch.dtype, device: torch.device) -> Te
     and making one costs three small tensor ops (5 to 10 µs of host time each).
     The kept tensors are never written: the update rules read hyperparameters
     and make new tensors from them. Neither kept nor looked up under
-    ``torch.compile`` (which traces the ops and would guard on the number) or
-    a dispatch mode (fake or meta tensors). Not kept where a tensor made now
-    would not hold its value later: in inference mode (an inference tensor), a
-    CUDA stream capture (whose kernels run only at replay), or on devices
-    other than CPU and CUDA (XLA's tensors are lazy).
+    ``torch.compile`` (which traces the ops and would guard on the number), a
+    dispatch mode (fake or meta tensors) or a CUDA stream capture (the kernels
+    that make a tensor run only at replay, and a graph would read a kept
+    tensor by its address after it is let go). Not kept in inference mode (an
+    inference tensor) or on devices other than CPU and CUDA (XLA's tensors
+    are lazy).
     """
     if torch.compiler.is_compiling() or torch._C._len_torch_dispatch_stack():
         return _float32_number(value, device).to(dtype)
     # -0.0 == 0.0, but their tensors differ in sign.
     key = (value, math.copysign(1.0, value), dtype, device)
     kept = _NUMBER_TENSORS.get(key)
-    if kept is not None:
+    if kept is not None and not (kept.is_cuda and torch.cuda.is_current_stream_capturing()):
         return kept
     made = _float32_number(value, device).to(dtype)
     if (
-        device.type in _FUSED_DEVICES
+        kept is None
+        and device.type in _FUSED_DEVICES
         and not torch.is_inference_mode_enabled()
         and not (device.type == "cuda" and torch.cuda.is_current_stream_capturing())
     ):
