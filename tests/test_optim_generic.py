@@ -658,10 +658,48 @@ def test_hyperparameters_kept_between_steps_are_never_written(spec: OptimSpec, c
             opt.apply_gradients([(_sparse([2, 0, 2], values, (4, 3)), p)])
     kept = dict(optim_base._NUMBER_TENSORS)
     assert kept
-    for (value, _, dtype, device), tensor in kept.items():
+    for (_, value, _, dtype), (tensor, version) in kept.items():
         made = torch.tensor(value, dtype=torch.float32).to(dtype)
-        assert tensor.shape == () and tensor.dtype == dtype and tensor.device == device
+        assert tensor.shape == () and tensor.dtype == dtype and tensor.device.type == "cpu"
         assert torch.equal(tensor, made) and tensor.signbit() == made.signbit(), (value, dtype, tensor)
+        assert tensor._version == version, (value, dtype)
+
+
+def test_a_subclass_that_writes_a_hyperparameter_tensor_changes_only_its_own_steps():
+    """A subclass's update may write the hyperparameter tensors it is handed (each step used to
+    get its own): another optimizer with the same learning rate must still read that rate."""
+
+    class Halving(tgo.GradientDescentOptimizer):
+        def _apply_dense(self, group, params, grads, slots, non_slot, hyper):
+            super()._apply_dense(group, params, grads, slots, non_slot, hyper)
+            hyper.lr.mul_(0.5)
+
+    for path in ({"foreach": False}, {"foreach": True}, {"fused": True}):
+        p, q = torch.zeros(4, requires_grad=True), torch.zeros(4, requires_grad=True)
+        halving = Halving([p], learning_rate=0.1, **path)
+        for _ in range(3):
+            p.grad = torch.ones(4)
+            halving.step()
+        q.grad = torch.ones(4)
+        tgo.GradientDescentOptimizer([q], learning_rate=0.1, **path).step()
+        expected = torch.zeros(4) - torch.ones(4) * torch.tensor(0.1)
+        assert torch.equal(q.detach(), expected), path
+        assert torch.equal(p.detach(), 3 * expected), path
+
+
+def test_a_step_inside_functionalize_leaves_later_eager_steps_working():
+    """Tensors made inside a functorch transform are wrappers of that transform: none may be kept
+    for the eager steps that follow."""
+
+    def train_step(p, g):
+        p = p.detach()
+        p.grad = g
+        tgo.GradientDescentOptimizer([p], learning_rate=0.125, foreach=False).step()
+        return p.detach()
+
+    expected = torch.full((3,), 0.875)
+    assert torch.equal(torch.func.functionalize(train_step)(torch.ones(3), torch.ones(3)), expected)
+    assert torch.equal(train_step(torch.ones(3), torch.ones(3)), expected)
 
 
 @pytest.mark.parametrize("fused", [False, True])
@@ -695,45 +733,34 @@ def test_a_kept_hyperparameter_is_not_handed_to_a_fake_tensor_trace():
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_a_hyperparameter_first_made_inside_a_cuda_graph_capture_is_not_kept():
-    """Kernels captured in a CUDA graph run only at replay: a hyperparameter tensor made during
-    the capture holds no value yet, and an eager step with the same number must not read it."""
-    lr = 0.0123  # (a number no other test makes a tensor of)
-    optim_base._NUMBER_TENSORS.clear()
-    p = torch.ones(8, device="cuda", requires_grad=True)
-    p.grad = torch.ones(8, device="cuda")
-    opt = tgo.GradientDescentOptimizer([p], learning_rate=lr, foreach=True)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        opt.step()
-    q = torch.ones(8, device="cuda", requires_grad=True)
-    q.grad = torch.ones(8, device="cuda")
-    tgo.GradientDescentOptimizer([q], learning_rate=lr, foreach=True).step()
+def test_cuda_steps_with_one_learning_rate_in_a_graph_capture_and_on_two_streams():
+    """Where a CUDA hyperparameter tensor could be shared between steps, it would be read before
+    it is written: by an eager step, when made during a capture (whose kernels run at replay),
+    or by a step on another stream; or after it is let go, by a captured graph."""
+    lr = 0.0123
     expected = torch.ones(8) - torch.ones(8) * torch.tensor(lr)
-    assert torch.equal(q.detach().cpu(), expected)
-    graph.replay()
-    assert torch.equal(p.detach().cpu(), expected)
 
+    def fresh():
+        p = torch.ones(8, device="cuda", requires_grad=True)
+        p.grad = torch.ones(8, device="cuda")
+        return p, tgo.GradientDescentOptimizer([p], learning_rate=lr, foreach=True)
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_a_cuda_graph_capture_does_not_read_a_hyperparameter_kept_from_eager_steps():
-    """A captured graph reads its inputs by address at every replay: a hyperparameter tensor kept
-    for eager steps can be let go (and its memory reused) while the graph lives."""
-    lr = 0.0321  # (a number no other test makes a tensor of)
-    optim_base._NUMBER_TENSORS.clear()
-    p = torch.ones(8, device="cuda", requires_grad=True)
-    p.grad = torch.ones(8, device="cuda")
-    opt = tgo.GradientDescentOptimizer([p], learning_rate=lr, foreach=True)
-    opt.step()  # eager: keeps lr's tensor
-    before = p.detach().clone()
+    captured, eager, on_default, on_side = fresh(), fresh(), fresh(), fresh()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        opt.step()
-    optim_base._NUMBER_TENSORS.clear()
-    junk = [torch.full((), 7.0, device="cuda") for _ in range(256)]
+        captured[1].step()
+    eager[1].step()
+    side = torch.cuda.Stream()
+    torch.cuda.synchronize()
+    torch.cuda._sleep(100_000_000)  # the default stream is busy: its kernels wait
+    on_default[1].step()
+    with torch.cuda.stream(side):
+        on_side[1].step()
+    torch.cuda.synchronize()
+    junk = [torch.full((), 7.0, device="cuda") for _ in range(256)]  # reuses memory let go
     graph.replay()
-    expected = before.cpu() - torch.ones(8) * torch.tensor(lr)
-    assert torch.equal(p.detach().cpu(), expected)
+    for p, _ in (captured, eager, on_default, on_side):
+        assert torch.equal(p.detach().cpu(), expected)
     del junk
 
 

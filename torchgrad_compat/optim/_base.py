@@ -254,36 +254,36 @@ def float32_tensor(value: float | Tensor, device: torch.device) -> Tensor:
 
 def _number_tensor(value: float, dtype: torch.dtype, device: torch.device) -> Tensor:
     """The Python number ``value`` rounded to float32, then cast to ``dtype``: a 0-d tensor on
-    ``device``, made once and kept.
+    ``device``, made once on CPU and kept.
 
     An optimizer's hyperparameters are the same numbers at almost every step,
     and making one costs three small tensor ops (5 to 10 µs of host time each).
-    The kept tensors are never written: the update rules read hyperparameters
-    and make new tensors from them. Neither kept nor looked up under
-    ``torch.compile`` (which traces the ops and would guard on the number), a
-    dispatch mode (fake or meta tensors) or a CUDA stream capture (the kernels
-    that make a tensor run only at replay, and a graph would read a kept
-    tensor by its address after it is let go). Not kept in inference mode (an
-    inference tensor) or on devices other than CPU and CUDA (XLA's tensors
-    are lazy).
+    The update rules only read them; a kept tensor that something wrote in
+    place anyway (its version counter moved) is made again. Neither kept nor
+    looked up under ``torch.compile`` (which traces the ops and would guard on
+    the number), a dispatch mode (fake or meta tensors) or a functorch
+    transform (whose tensors are wrappers). Not kept in inference mode (an
+    inference tensor). Only CPU tensors are kept: on CUDA a tensor made on one
+    stream and read on another needs synchronisation a cache cannot give
+    (and XLA's tensors are lazy).
     """
-    if torch.compiler.is_compiling() or torch._C._len_torch_dispatch_stack():
-        return _float32_number(value, device).to(dtype)
-    # -0.0 == 0.0, but their tensors differ in sign.
-    key = (value, math.copysign(1.0, value), dtype, device)
-    kept = _NUMBER_TENSORS.get(key)
-    if kept is not None and not (kept.is_cuda and torch.cuda.is_current_stream_capturing()):
-        return kept
-    made = _float32_number(value, device).to(dtype)
     if (
-        kept is None
-        and device.type in _FUSED_DEVICES
-        and not torch.is_inference_mode_enabled()
-        and not (device.type == "cuda" and torch.cuda.is_current_stream_capturing())
+        device != _CPU
+        or torch.compiler.is_compiling()
+        or torch._C._len_torch_dispatch_stack()
+        or torch._C._functorch.peek_interpreter_stack() is not None
     ):
+        return _float32_number(value, device).to(dtype)
+    # -0.0 == 0.0, but their tensors differ in sign; 2**64 (an int) is refused where 2.0**64 is not.
+    key = (type(value), value, math.copysign(1.0, value), dtype)
+    kept = _NUMBER_TENSORS.get(key)
+    if kept is not None and kept[0]._version == kept[1]:
+        return kept[0]
+    made = _float32_number(value, device).to(dtype)
+    if type(made) is Tensor and made.device == device and not torch.is_inference_mode_enabled():
         if len(_NUMBER_TENSORS) >= _NUMBER_TENSORS_LIMIT:
             _NUMBER_TENSORS.clear()  # (a learning-rate schedule makes new numbers at every step)
-        _NUMBER_TENSORS[key] = made
+        _NUMBER_TENSORS[key] = (made, made._version)
     return made
 
 
@@ -291,9 +291,11 @@ def _float32_number(value: float, device: torch.device) -> Tensor:
     return torch.ones((), dtype=torch.float32, device=device).mul(value).to(torch.float32)
 
 
-# The tensors _number_tensor made, by value, sign, dtype and device.
-_NUMBER_TENSORS: dict[tuple[Any, float, torch.dtype, torch.device], Tensor] = {}
+# The CPU tensors _number_tensor made, and their versions then, by the number's type, value and
+# sign, and the dtype.
+_NUMBER_TENSORS: dict[tuple[type, Any, float, torch.dtype], tuple[Tensor, int]] = {}
 _NUMBER_TENSORS_LIMIT = 1024
+_CPU = torch.device("cpu")
 
 
 class HyperScalars:
