@@ -120,6 +120,29 @@ def test_foreach_matches_reference_across_cpu_chunks(spec: OptimSpec, cid: str):
     _assert_bitwise(_state_tensors(o_ref), _state_tensors(o_fe))
 
 
+@pytest.mark.parametrize(("spec", "cid"), SPEC_CONFIGS, ids=SPEC_IDS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("foreach", [False, True], ids=["loop", "foreach"])
+def test_an_element_is_updated_alike_wherever_it_lies(spec: OptimSpec, cid: str, dtype, foreach):
+    # One tensor against the same values split in two at an offset no vector width divides, as
+    # FSDP2 shards a parameter or threads split a loop: an element's update must not depend on
+    # whether a vectorised loop or the scalar loop that finishes each range reaches it.
+    gen = torch.Generator().manual_seed(5)
+    values = torch.rand(2000, generator=gen, dtype=torch.float64).add_(0.1).to(dtype)
+    grads = [torch.randn(2000, generator=gen, dtype=torch.float64).to(dtype) for _ in range(3)]
+    whole, halves = (
+        [values.clone().requires_grad_()],
+        [t.clone().requires_grad_() for t in values.split([777, 1223])],
+    )
+    for params in (whole, halves):
+        opt = spec.make(params, cid, foreach=foreach)
+        for g in grads:
+            for p, part in zip(params, g.split([p.numel() for p in params]), strict=True):
+                p.grad = part.clone()
+            opt.step()
+    assert torch.equal(whole[0].detach(), torch.cat([p.detach() for p in halves]))
+
+
 def _quadratic(params, target_seed=7):
     gen = torch.Generator().manual_seed(target_seed)
     targets = [torch.randn(p.shape, generator=gen, dtype=p.dtype) for p in params]

@@ -60,10 +60,16 @@ class FtrlOptimizer(Optimizer):
            the dense kernel then divides by zero and the sparse kernel
            rejects it).
         2. For ``learning_rate_power != -0.5`` the power is ``torch.pow``
-           where TF uses Eigen's ``pow``: they differ by up to 1 ulp (float32)
-           or 2 ulp (float64) per call, which the cancellations in σ and ``l``
+           (float32 and half tensors: taken in float64 and rounded) where TF
+           uses Eigen's ``pow``: they differ by up to 1 ulp (float32) or 2 ulp
+           (float64) per call, which the cancellations in σ and ``l``
            amplify. TF's sparse kernel on 1-element rows calls ``pow(x, 0.5)``
-           where this uses ``sqrt``.
+           where this uses ``sqrt``. In float64, torch's CPU ``pow`` rounds
+           some inputs (0.4% with AVX2) otherwise in its vectorised loop than
+           in the scalar loop that finishes each range, so a float64
+           parameter's update can differ by an ulp with where an element lies
+           (in an FSDP2 shard, a thread's range); float32 and half updates
+           do not depend on it.
         3. ``accum_name``, ``linear_name``, ``use_locking`` and ``name`` are not
            reproduced.
 
@@ -211,18 +217,36 @@ def _adjusted_l2(hyper: HyperScalars) -> Tensor:
 
 
 def _power(x: Tensor, neg_lr_power: Tensor | None) -> Tensor:
-    """``x ** -lr_power``; TF computes the default ``lr_power = -0.5`` as ``sqrt``."""
-    return x.sqrt() if neg_lr_power is None else torch.pow(x, neg_lr_power)
+    """``x ** -lr_power``; TF computes the default ``lr_power = -0.5`` as ``sqrt``.
+
+    Other powers of float32 and half tensors are taken in float64 and rounded.
+    torch's float32 ``pow`` on CPU gives other bits in its vectorised loop than
+    in the scalar loop that finishes each range (by an ulp, for 0.7% of inputs
+    with AVX2), so a value's power would depend on where it lies: in a shard of
+    FSDP2, in one thread's range, in a fused kernel. Rounded from float64, where
+    the two loops differ by far less than a float32 ulp, every offset gets the
+    same bits. (float64 tensors keep that dependence: see the class docstring.)
+    """
+    if neg_lr_power is None:
+        return x.sqrt()
+    if x.dtype == torch.float64:
+        return torch.pow(x, neg_lr_power)
+    return torch.pow(x.double(), neg_lr_power.double()).to(x.dtype)
 
 
 def _foreach_power_(xs: list[Tensor], neg_lr_power: Tensor | None) -> None:
     """``x ← x ** -lr_power`` in place for every ``x`` in ``xs`` (see ``_power``)."""
     if neg_lr_power is None:
         torch._foreach_sqrt_(xs)
-    else:
-        # A list of exponents keeps torch.pow(Tensor, Tensor); a single 0-d tensor
-        # would become a Python scalar, whose kernel special-cases some exponents.
+        return
+    # A list of exponents keeps torch.pow(Tensor, Tensor); a single 0-d tensor
+    # would become a Python scalar, whose kernel special-cases some exponents.
+    if not xs or xs[0].dtype == torch.float64:
         torch._foreach_pow_(xs, [neg_lr_power] * len(xs))
+        return
+    wide = [x.double() for x in xs]
+    torch._foreach_pow_(wide, [neg_lr_power.double()] * len(wide))
+    torch._foreach_copy_(xs, wide)
 
 
 def ftrl(
