@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import copy
 import io
+import re
 from typing import Any
 
 import pytest
@@ -139,6 +140,124 @@ def test_tf_names_of_regularization_strengths_map_to_their_keys():
     assert a.param_groups[0]["l1"] == 0.01
     _lockstep(a, named, b, keyed, 3)
     assert params  # the group dict did not consume the caller's list
+
+
+# Each hyperparameter of the ten optimizers as a group key and as TF's argument name, with a
+# value that asks for something (written from the constructors' signatures, not read from the check).
+_EVERY_HYPER_KEY = {
+    "lr": 0.5,
+    "learning_rate": 0.5,
+    "rho": 0.5,
+    "epsilon": 0.5,
+    "beta1": 0.5,
+    "beta2": 0.5,
+    "momentum": 0.5,
+    "use_nesterov": True,
+    "decay": 0.5,
+    "centered": True,
+    "initial_accumulator_value": 0.5,
+    "initial_gradient_squared_accumulator_value": 0.5,
+    "l1": 0.5,
+    "l2": 0.5,
+    "l1_regularization_strength": 0.5,
+    "l2_regularization_strength": 0.5,
+    "l2_shrinkage_regularization_strength": 0.5,
+    "learning_rate_power": -0.25,
+    "beta": 0.5,
+}
+
+
+@by_spec
+def test_a_group_key_the_optimizer_would_not_read_is_refused(spec: OptimSpec, cid: str):
+    # torch keeps and ignores a key its optimizer does not read: a group copied from torch or
+    # Keras code, or with a typo, would train silently with the default in its place.
+    params = _params()
+    # Its constructor's argument names and its group keys.
+    own = set(spec.cls.__init__.__code__.co_varnames) | set(spec.make(_params(), cid).defaults)
+    asks = {
+        "weight_decay": 0.01,
+        "maximize": True,
+        "amsgrad": True,
+        "dampening": 0.1,
+        "eps": 1e-3,
+        "nesterov": True,
+        "alpha": 0.9,
+        "beta_1": 0.8,
+        "clipnorm": 1.0,
+        "learnig_rate": 0.5,
+        "Lr": 0.5,
+        **{key: value for key, value in _EVERY_HYPER_KEY.items() if key not in own},
+    }
+    if spec.name != "AdamOptimizer":
+        asks["betas"] = (0.8, 0.9)
+    if "momentum" in own:
+        asks["momentun"] = 0.5
+    for key, value in asks.items():
+        with pytest.raises(ValueError, match=re.escape(f"param group key '{key}' (got {value!r})")):
+            spec.make([{"params": params, key: value}], cid)
+
+
+@by_spec
+def test_group_keys_that_ask_for_nothing_are_kept_and_change_nothing(spec: OptimSpec, cid: str):
+    params, plain = _params(), _params()
+    extra = {
+        "weight_decay": 0.0,
+        "maximize": False,
+        "amsgrad": False,
+        "clipnorm": None,
+        "initial_lr": 0.1,
+        "name": "encoder",
+        "max_momentum": 0.95,
+        "capturable": False,
+    }
+    opt = spec.make([{"params": params, **extra}], cid)
+    assert {key: opt.param_groups[0][key] for key in extra} == extra
+    _lockstep(opt, params, spec.make(plain, cid), plain, 3)
+
+
+@by_spec
+def test_a_key_a_training_loop_writes_into_a_group_is_refused_at_the_next_step(spec: OptimSpec, cid: str):
+    # As a weight-decay schedule does (group["weight_decay"] = wd_schedule[it]); the step that
+    # refuses it changes nothing, and once the key asks for nothing the steps go on as without it.
+    params, plain = _params(), _params()
+    opt, reference = spec.make(params, cid), spec.make(plain, cid)
+    _lockstep(opt, params, reference, plain, 2)
+    for key, value, idle in (("weight_decay", 0.05, 0.0), ("maximize", True, False)):
+        opt.param_groups[0][key] = value
+        before = copy.deepcopy(opt.state_dict())
+        values = [p.detach().clone() for p in params]
+        _set_grads(params, 7)
+        with pytest.raises(ValueError, match=re.escape(f"param group key '{key}' (got {value!r})")):
+            opt.step()
+        assert all(torch.equal(p, v) for p, v in zip(params, values, strict=True))
+        assert _same_state(opt.state_dict(), before)
+        opt.param_groups[0][key] = idle
+    _lockstep(opt, params, reference, plain, 2)
+
+
+def _same_state(a: Any, b: Any) -> bool:
+    if isinstance(a, torch.Tensor):
+        return isinstance(b, torch.Tensor) and torch.equal(a, b)
+    if isinstance(a, dict):
+        return isinstance(b, dict) and a.keys() == b.keys() and all(_same_state(a[k], b[k]) for k in a)
+    if isinstance(a, list | tuple):
+        return len(a) == len(b) and all(_same_state(x, y) for x, y in zip(a, b, strict=True))
+    return a == b
+
+
+def test_other_names_of_an_optimizers_own_hyperparameter_name_its_key():
+    by_name = {spec.name: spec for spec in SPECS}
+    cases = [
+        ("MomentumOptimizer", "nesterov", False, "'use_nesterov'"),
+        ("RMSPropOptimizer", "alpha", 0.9, "'decay'"),
+        ("RMSPropOptimizer", "eps", 1e-10, "'epsilon'"),
+        ("AdamOptimizer", "beta_2", 0.99, "'beta2'"),
+        ("AdadeltaOptimizer", "eps", 1e-6, "'epsilon'"),
+    ]
+    for name, key, value, own in cases:
+        # Any value: the equivalent exists here, so the key can only mean to set it.
+        with pytest.raises(ValueError, match=f"'{key}' .*its key is {own}"):
+            by_name[name].make([{"params": _params(), key: value}])
 
 
 def test_a_parameter_in_two_groups_is_rejected():

@@ -27,6 +27,7 @@ accessor; the hooks receive a dict of it and ``_apply`` writes it back.
 from __future__ import annotations
 
 import contextvars
+import difflib
 import functools
 import itertools
 import math
@@ -89,6 +90,62 @@ _ROWS_FIT: contextvars.ContextVar[bool] = contextvars.ContextVar("_ROWS_FIT", de
 _ACCEPTED_PER_HYPER = 1024
 # Chunk layouts whose scratch views an optimizer keeps (see Optimizer._scratch).
 _SCRATCH_SETS = 256
+# Param-group keys other optimizers read, which a group copied from their code may hold, and
+# why the optimizers here do without them (see Optimizer._refuse_keys_it_would_not_read).
+_FOREIGN_KEYS = {
+    # torch.optim
+    "weight_decay": "TensorFlow's v1 optimizers apply no weight decay (add it to the loss, as TF code does)",
+    "decoupled_weight_decay": "TensorFlow's v1 optimizers apply no weight decay",
+    "maximize": "TensorFlow's optimizers minimize (negate the loss instead)",
+    "amsgrad": "TensorFlow's v1 Adam has no AMSGrad variant",
+    "dampening": "TensorFlow's momentum has no dampening",
+    "lr_decay": "TensorFlow's Adagrad has no learning-rate decay (use a torch.optim.lr_scheduler)",
+    "differentiable": "its steps are not differentiable",
+    "betas": "it is torch's pair (beta1, beta2), which only AdamOptimizer takes",
+    "momentum_decay": "it is NAdam's, which TensorFlow's v1 optimizers do not have",
+    "lambd": "it is ASGD's, which TensorFlow's v1 optimizers do not have",
+    "t0": "it is ASGD's, which TensorFlow's v1 optimizers do not have",
+    "etas": "it is Rprop's, which TensorFlow's v1 optimizers do not have",
+    "step_sizes": "it is Rprop's, which TensorFlow's v1 optimizers do not have",
+    # Keras
+    "clipnorm": "it clips nothing (clip the gradients before step())",
+    "clipvalue": "it clips nothing (clip the gradients before step())",
+    "global_clipnorm": "it clips nothing (clip the gradients before step())",
+    "use_ema": "it keeps no moving average of the weights",
+    "ema_momentum": "it keeps no moving average of the weights",
+}
+# Names other code gives a hyperparameter that some optimizers here have under their own key.
+_EQUIVALENT_KEYS = {
+    "eps": "epsilon",
+    "nesterov": "use_nesterov",
+    "alpha": "decay",
+    "beta_1": "beta1",
+    "beta_2": "beta2",
+}
+_EQUIVALENT_NOTES = {
+    "eps": " (TensorFlow's epsilon, which enters the update where TF puts it, not where torch puts eps)",
+    "alpha": " (the decay of the mean square, torch's alpha)",
+}
+# Group keys of the wrappers' state (LossScaleOptimizer's, AGN's), in a group copied from one.
+_WRAPPER_KEY_PREFIXES = (LOSS_SCALE_KEY_PREFIX, "agn_")
+
+
+def _asks_for_nothing(value: Any) -> bool:
+    """Whether a foreign hyperparameter's value leaves the update as it is (no decay, no clipping)."""
+    return value is None or value is False or (type(value) in (int, float) and value == 0)
+
+
+@functools.cache
+def _library_hyper_keys() -> dict[str, str]:
+    """Each group key and TF argument name of this package's optimizers: which of them have it."""
+    from .. import optim  # (here, not at the top: the optimizers import this module)
+
+    holders: dict[str, list[str]] = {}
+    for name in optim.__all__:
+        for spec in getattr(getattr(optim, name), "_hypers", ()):
+            for key in {spec.key, spec.arg}:
+                holders.setdefault(key, []).append(name)
+    return {key: f"it is a hyperparameter of {', '.join(sorted(h))}" for key, h in holders.items()}
 
 
 def check_range(
@@ -435,6 +492,7 @@ class Optimizer(torch.optim.Optimizer):
         if not isinstance(param_group, dict):
             raise TypeError(f"param_group must be a dict, got {type(param_group).__name__}")
         group = self._rename_tf_keys(dict(param_group))
+        self._refuse_keys_it_would_not_read(group)
         params = group["params"]
         params = [params] if isinstance(params, Tensor) else list(params)
         for name, default in self.defaults.items():
@@ -510,6 +568,59 @@ class Optimizer(torch.optim.Optimizer):
                 )
             group[spec.key] = group.pop(spec.arg)
         return group
+
+    def _refuse_keys_it_would_not_read(self, group: dict[str, Any]) -> tuple[str, ...]:
+        """Refuse a group key that asks for something this optimizer would silently not do.
+
+        torch keeps a key its optimizer does not read and ignores it, so a group
+        copied from torch or Keras code (``"eps"``, ``"weight_decay": 0.01``,
+        ``"beta_1"``) or with a misspelled key (``"momentun"``) would train with
+        the default in its place. Refused: a hyperparameter name of torch.optim,
+        Keras or another optimizer here that this one does not have, unless its
+        value is one that asks for nothing (None, False or 0), and any value of
+        such a name where this optimizer has its own equivalent; and a key that
+        differs only a little from one of this optimizer's keys or TF names. Other
+        keys (a scheduler's ``initial_lr``, a user's ``"name"``) are kept, as torch keeps them.
+        Returns the foreign keys kept because their values asked for nothing.
+        """
+        cls = type(self).__name__
+        idle: list[str] = []
+        own = {"params", *self.defaults, *(spec.key for spec in self._non_slot_ranges)}
+        names = {*own, *(spec.arg for spec in self._hypers)}
+        for key, value in group.items():
+            if not isinstance(key, str) or key in names or key.startswith(_WRAPPER_KEY_PREFIXES):
+                continue
+            equivalent = _EQUIVALENT_KEYS.get(key)
+            if equivalent is not None and equivalent in own:
+                raise ValueError(
+                    f"{cls}: param group key {key!r} (got {value!r}) is not read by this optimizer; "
+                    f"its key is {equivalent!r}{_EQUIVALENT_NOTES.get(key, '')}"
+                )
+            reason = _FOREIGN_KEYS.get(key) or _library_hyper_keys().get(key)
+            if equivalent is not None:
+                reason = f"it is another name of {equivalent!r}; {_library_hyper_keys()[equivalent]}"
+            if reason is not None:
+                if _asks_for_nothing(value):
+                    idle.append(key)
+                    continue
+                raise ValueError(
+                    f"{cls}: param group key {key!r} (got {value!r}) is not read by this optimizer: {reason}"
+                )
+            close = difflib.get_close_matches(key.lower(), sorted(names - {"params"}), n=1, cutoff=0.85)
+            if close:
+                raise ValueError(
+                    f"{cls}: param group key {key!r} (got {value!r}) is not a key of this optimizer; "
+                    f"did you mean {close[0]!r}? (its keys: {sorted(own - {'params'})})"
+                )
+        return tuple(idle)
+
+    def _recheck_group_keys(self, index: int, group: dict[str, Any]) -> None:
+        """At a step, check a group again if keys were added since (a training loop's
+        ``group["weight_decay"] = wd``) or a foreign key kept for its value of 0 now asks for something."""
+        seen = self.__dict__.setdefault("_group_keys_seen", {})
+        kept = seen.get(index)
+        if kept is None or group.keys() != kept[0] or not all(_asks_for_nothing(group[k]) for k in kept[1]):
+            seen[index] = (frozenset(group), self._refuse_keys_it_would_not_read(group))
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         # torch's optimizers fill flags missing from an older state_dict with their
@@ -1123,6 +1234,7 @@ class Optimizer(torch.optim.Optimizer):
         if not torch.compiler.is_compiling():
             for i, group in enumerate(self.param_groups):
                 self._check_live_non_slot(i, group)
+                self._recheck_group_keys(i, group)
         slots_of = self._create_slots(grouped, evaluated)
         state = self.state
         has_slots = type(self)._init_slots is not Optimizer._init_slots
