@@ -39,6 +39,7 @@ from torchgrad_compat.agn import (
     AGNError,
     AGNNameInUseError,
     AGNOptimizer,
+    AGNServerFullError,
     AGNServerUnavailableError,
     AGNWorkerLostWarning,
     LocalEndpoint,
@@ -177,13 +178,13 @@ def test_parameters_without_gradient_are_not_pushed():
 
 
 def test_state_dict_round_trip_mid_period():
-    _, host = _local([torch.zeros(2)], _gd, 1)
+    _, host = _local([torch.zeros(2)], _gd, 3)
     p = torch.zeros(2)
-    opt = AGNOptimizer(tgo.AdamOptimizer([p], 0.1), 1, 4, server=host.endpoint("w"))
+    opt = AGNOptimizer(tgo.AdamOptimizer([p], 0.1), 3, 4, server=host.endpoint("w"))
     opt.apply_gradients([(torch.ones(2), p)])
     state = opt.state_dict()
     q = torch.zeros(2)
-    other = AGNOptimizer(tgo.AdamOptimizer([q], 0.1), 1, 4, server=host.endpoint("w2"))
+    other = AGNOptimizer(tgo.AdamOptimizer([q], 0.1), 3, 4, server=host.endpoint("w2"))
     assert set(state) == {"state", "param_groups"}
     other.load_state_dict(state)
     assert (
@@ -192,7 +193,7 @@ def test_state_dict_round_trip_mid_period():
     # The earlier layout, built literally, loads the same.
     old = _old_layout({})(copy.deepcopy(state))
     r = torch.zeros(2)
-    third = AGNOptimizer(tgo.AdamOptimizer([r], 0.1), 1, 4, server=host.endpoint("w3"))
+    third = AGNOptimizer(tgo.AdamOptimizer([r], 0.1), 3, 4, server=host.endpoint("w3"))
     third.load_state_dict(old)
     assert (
         third.local_step == 1 and torch.equal(third._accumulators[0], torch.ones(2)) and third._pending == {0}
@@ -373,6 +374,45 @@ def test_serve_returns_when_workers_finish_or_die_and_reports_the_dead():
     with pytest.warns(AGNWorkerLostWarning, match=r"worker\(s\) \['b'\] stopped answering"):
         center = serve(server, host.is_alive, 0.01)
     assert center[0].item() == -1.0
+
+
+def test_a_worker_past_num_worker_waits_for_a_free_slot_and_is_served_to_the_end():
+    server, host = _local([torch.zeros(1)], _gd, 2)
+    p, q, r = torch.zeros(1), torch.zeros(1), torch.zeros(1)
+    a = AGNOptimizer(_gd([p]), 2, 1, server=host.endpoint("a"))
+    b = AGNOptimizer(_gd([q]), 2, 1, server=host.endpoint("b"))
+    full = r"serves num_worker=2, and workers \['a', 'b'\] are running or finished; worker 'c' would be"
+    with pytest.raises(AGNServerFullError, match=full):
+        AGNOptimizer(_gd([r]), 2, 1, server=host.endpoint("c"), startup_timeout=0.3)
+    a.apply_gradients([(torch.ones(1), p)])
+    # A process restarted under another name waits until the server finds the old one dead.
+    joined: list[AGNOptimizer] = []
+    joining = threading.Thread(
+        target=lambda: joined.append(
+            AGNOptimizer(_gd([r]), 2, 1, server=host.endpoint("a2"), startup_timeout=10)
+        )
+    )
+    joining.start()
+    time.sleep(0.3)
+    assert not joined
+    host.dead.add("a")
+    server.mark_dead("a")
+    joining.join(timeout=10)
+    (a2,) = joined
+    # When b finishes the server is not done: it serves a2 to the end (it used to return with
+    # a2's pushes still coming).
+    b.apply_gradients([(torch.ones(1), q)])
+    b.finish()
+    assert not server.done
+    finisher = threading.Timer(0.2, lambda: (a2.apply_gradients([(torch.ones(1), r)]), a2.finish()))
+    finisher.start()
+    with pytest.warns(AGNWorkerLostWarning, match=r"\['a'\] stopped answering"):
+        center = serve(server, host.is_alive, 0.01)
+    finisher.join()
+    assert server.global_step == 3 and center[0].item() == -3.0
+    # Every slot is held by a finished worker: one more is refused at once.
+    with pytest.raises(ValueError, match=r"workers \['a2', 'b'\] are running or finished; worker 'd'"):
+        AGNOptimizer(_gd([torch.zeros(1)]), 2, 1, server=host.endpoint("d"), startup_timeout=10)
 
 
 # ---------------------------------------------------------------------- checkpoints
@@ -1154,10 +1194,11 @@ def test_worker_resumes_bitwise_through_torch_tools(save, load, tmp_path):
     model_a, opt_a = worker(host_a, "a")
     _agn_train(model_a, opt_a, range(steps))
 
-    _, host_b = _local([p.detach().clone() for p in _agn_model().parameters()], adam, 1)
+    server_b, host_b = _local([p.detach().clone() for p in _agn_model().parameters()], adam, 1)
     model_b, opt_b = worker(host_b, "b")
     _agn_train(model_b, opt_b, range(split))
     saved = save(model_b, opt_b, tmp_path)
+    server_b.mark_dead("b")  # its process stops; another takes over from the checkpoint
     model_c, opt_c = worker(host_b, "c", seed=1)
     load(model_c, opt_c, saved)
     assert opt_c.local_step == split and opt_c._pending
@@ -1200,13 +1241,13 @@ def test_dcp_state_initialisation_is_not_a_training_step():
     ids=["shape", "missing", "nan", "local_step", "old-count", "old-pending", "old-local_step"],
 )
 def test_load_state_dict_checks_the_worker_state_before_loading_anything(change, match):
-    _, host = _local([torch.zeros(2)], _gd, 1)
+    _, host = _local([torch.zeros(2)], _gd, 2)
     p = torch.zeros(2)
-    opt = AGNOptimizer(tgo.AdamOptimizer([p], 0.1), 1, 4, server=host.endpoint("w"))
+    opt = AGNOptimizer(tgo.AdamOptimizer([p], 0.1), 2, 4, server=host.endpoint("w"))
     opt.apply_gradients([(torch.ones(2), p)])
     state = opt.state_dict()
     q = torch.zeros(2)
-    other = AGNOptimizer(tgo.AdamOptimizer([q], 0.5), 1, 4, server=host.endpoint("w2"))
+    other = AGNOptimizer(tgo.AdamOptimizer([q], 0.5), 2, 4, server=host.endpoint("w2"))
     with pytest.raises(ValueError, match=match):
         other.load_state_dict(change(copy.deepcopy(state)))
     # Neither the wrapped optimizer nor the worker state was loaded half-way.

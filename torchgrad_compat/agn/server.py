@@ -29,6 +29,7 @@ __all__ = [
     "AGNCheckpointWarning",
     "AGNError",
     "AGNNameInUseError",
+    "AGNServerFullError",
     "AGNServerNotReadyError",
     "AGNServerUnavailableError",
     "AGNWorkerLostWarning",
@@ -55,6 +56,12 @@ class AGNServerUnavailableError(AGNError):
 
 class AGNNameInUseError(AGNError):
     """A join under the name of a worker that is running; ``join`` retries it up to ``startup_timeout``."""
+
+
+class AGNServerFullError(AGNError):
+    """A join under a new name while ``num_worker`` workers are running or finished and one of them
+    runs; ``join`` retries it up to ``startup_timeout`` (a worker restarted under another name waits
+    for the server to find its previous process dead)."""
 
 
 class AGNCheckpointWarning(RuntimeWarning):
@@ -103,7 +110,11 @@ class ParameterServer:
       taken: joining under it is refused unless the join carries that worker's
       session (the same worker starting over). A worker that finished or died
       (the transport stopped answering for it) may join again, as a restarted
-      process; requests of the old session are refused.
+      process; requests of the old session are refused. At most ``num_worker``
+      names are running or finished at once: a new name joins only in place of
+      a dead worker (a restarted process under another name), and the server
+      is done only when no worker is running, so it does not return while such
+      a replacement still pushes.
     * ``push`` applies the server's optimizer once to the center with the pushed
       (already normalized) gradients and returns the center after the update. The
       whole of it runs under one lock, so N workers × K pushes are exactly N·K
@@ -218,6 +229,21 @@ class ParameterServer:
                     f"{record.incarnation}); a name is bound to the process that joined with it. If that "
                     "process died, the server notices within its liveness probe and the name is free again"
                 )
+            if record is None or record.state == "dead":
+                # A new name, or a dead worker's, needs a slot no other worker holds. (A finished
+                # name is its own slot: a restarted process may join under it again.)
+                taken = sorted(w for w, r in self.workers.items() if r.state != "dead" and w != worker)
+                if len(taken) >= self.num_worker:
+                    message = (
+                        f"AGN server {self.name!r} serves num_worker={self.num_worker}, and workers "
+                        f"{taken} are running or finished; worker {worker!r} would be one more"
+                    )
+                    if any(self.workers[w].state == "running" for w in taken):
+                        raise AGNServerFullError(
+                            f"{message} (a worker restarted under another name joins once the "
+                            "server has found its previous process dead)"
+                        )
+                    raise ValueError(message)
             record = self.workers.setdefault(worker, _Worker())
             record.incarnation += 1
             record.key = secrets.token_hex(16)
@@ -275,9 +301,10 @@ class ParameterServer:
     # ------------------------------------------------------------------ waiting
     @property
     def done(self) -> bool:
-        """Every awaited worker finished or died (``num_worker``, fewer after ``stop_waiting_for_absent``)."""
-        ended = sum(r.state != "running" for r in self.workers.values())
-        return ended >= self._awaited
+        """Every awaited worker finished or died (``num_worker``, fewer after ``stop_waiting_for_absent``),
+        and none is running (one that joined in a dead worker's place under another name)."""
+        states = [r.state for r in self.workers.values()]
+        return "running" not in states and len(states) >= self._awaited
 
     def stop_waiting_for_absent(self) -> int:
         """Wait no longer for workers that have not joined; how many that is."""

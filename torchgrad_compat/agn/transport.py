@@ -34,7 +34,13 @@ import torch
 import torch.distributed as dist
 import torch.distributed.rpc as rpc
 
-from .server import AGNError, AGNNameInUseError, AGNServerNotReadyError, AGNServerUnavailableError
+from .server import (
+    AGNError,
+    AGNNameInUseError,
+    AGNServerFullError,
+    AGNServerNotReadyError,
+    AGNServerUnavailableError,
+)
 
 if TYPE_CHECKING:
     from .server import ParameterServer
@@ -84,8 +90,8 @@ class ServerEndpoint(ABC):
     ) -> Any:
         """``request("join", ...)``, retried for up to ``startup_timeout`` s while the server is not ready.
 
-        Also retried while the name is in use: a restarted worker waits for the
-        server to find its previous process dead.
+        Also retried while the name is in use, or every slot is held while a worker
+        runs: a restarted worker waits for the server to find its previous process dead.
         """
         check_seconds("startup_timeout", startup_timeout)
         deadline = time.monotonic() + startup_timeout
@@ -95,7 +101,7 @@ class ServerEndpoint(ABC):
         while True:
             try:
                 return self.request("join", num_worker, specs, session, nonce)
-            except AGNNameInUseError:
+            except (AGNNameInUseError, AGNServerFullError):
                 if time.monotonic() >= deadline:
                     raise
                 time.sleep(0.05)
@@ -234,6 +240,7 @@ _ANSWER_ERRORS = {
         AGNServerNotReadyError,
         AGNServerUnavailableError,
         AGNNameInUseError,
+        AGNServerFullError,
         AGNError,
         ValueError,
         TypeError,
