@@ -235,6 +235,65 @@ def test_a_key_a_training_loop_writes_into_a_group_is_refused_at_the_next_step(s
     _lockstep(opt, params, reference, plain, 2)
 
 
+@by_spec
+def test_a_tf_name_written_into_a_group_after_it_was_added_is_refused_at_the_next_step(
+    spec: OptimSpec, cid: str
+):
+    # TF's names are taken when a group is added (test above); one written later would sit
+    # beside the key the update reads. Refused until it is gone; the refused step changes nothing.
+    renames = [(s.arg, s.key) for s in spec.cls._hypers if s.arg != s.key]
+    params, plain = _params(), _params()
+    opt, reference = spec.make(params, cid), spec.make(plain, cid)
+    _lockstep(opt, params, reference, plain, 2)
+    for arg, key in renames:
+        for value in (opt.param_groups[0][key], 0.125):  # the key's own value is refused too
+            opt.param_groups[0][arg] = value
+            before = copy.deepcopy(opt.state_dict())
+            values = [p.detach().clone() for p in params]
+            _set_grads(params, 7)
+            with pytest.raises(ValueError, match=re.escape(f"key {arg!r} (got {value!r}) was written after")):
+                opt.step()
+            assert all(torch.equal(p, v) for p, v in zip(params, values, strict=True))
+            assert _same_state(opt.state_dict(), before)
+        del opt.param_groups[0][arg]
+    _lockstep(opt, params, reference, plain, 2)
+
+
+@by_spec
+def test_a_tf_name_given_when_the_group_was_added_may_stay_with_that_value(spec: OptimSpec, cid: str):
+    # As ZeroRedundancyOptimizer copies its own group (learning_rate=...) into this optimizer's
+    # before each step: the copy holds the value the group was added with, the key is what is read.
+    renames = [(s.arg, s.key) for s in spec.cls._hypers if s.arg != s.key]
+    params, plain = _params(), _params()
+    given = {arg: 0.25 for arg, _ in renames}
+    opt = spec.make([{"params": params, **given}], cid)
+    reference = spec.make([{"params": plain, **given}], cid)
+    opt.param_groups[0]["lr"] = reference.param_groups[0]["lr"] = 0.5  # as a scheduler writes it
+    for arg, _ in renames:
+        opt.param_groups[0][arg] = 0.25
+    _lockstep(opt, params, reference, plain, 2)
+    opt.param_groups[0]["learning_rate"] = 0.5  # another value: now it asks for something
+    _set_grads(params, 7)
+    with pytest.raises(ValueError, match=re.escape("key 'learning_rate' (got 0.5) was written after")):
+        opt.step()
+
+
+def test_a_tf_name_in_a_loaded_group_is_kept_as_a_copy_until_written():
+    # A state_dict saved from ZeroRedundancyOptimizer's local optimizer holds "learning_rate"
+    # beside "lr": the loaded "lr" is read; a later write of the name is refused.
+    spec = next(s for s in SPECS if s.name == "MomentumOptimizer")
+    params, plain = _params(), _params()
+    saved = spec.make(_params(seed=5)).state_dict()
+    saved["param_groups"][0]["learning_rate"] = saved["param_groups"][0]["lr"]
+    opt, reference = spec.make(params), spec.make(plain)
+    opt.load_state_dict(saved)
+    _lockstep(opt, params, reference, plain, 2)
+    opt.param_groups[0]["learning_rate"] = 0.01
+    _set_grads(params, 7)
+    with pytest.raises(ValueError, match=re.escape("key 'learning_rate' (got 0.01) was written after")):
+        opt.step()
+
+
 def _same_state(a: Any, b: Any) -> bool:
     if isinstance(a, torch.Tensor):
         return isinstance(b, torch.Tensor) and torch.equal(a, b)

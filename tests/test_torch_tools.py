@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import copy
 import io
+import re
 from collections.abc import Callable
 from typing import Any
 
@@ -286,6 +287,29 @@ def test_zero_redundancy_optimizer_resume_is_bitwise(make, one_rank_group):
     _zero_restore(fresh_model, fresh, saved)
     _train(fresh_model, fresh, range(SPLIT, STEPS))
     _assert_bitwise(_zero_snapshot(fresh_model, fresh), expected)
+
+
+def test_zero_redundancy_optimizer_follows_lr_and_refuses_learning_rate_written_later(one_rank_group):
+    # ZeRO keeps its constructor's learning_rate= in its groups and copies them into the local
+    # optimizer before each step, beside "lr", which a scheduler writes and the update reads.
+    model, plain_model = _model(), _model()
+    zero = ZeroRedundancyOptimizer(
+        list(model.parameters()), optimizer_class=tgo.MomentumOptimizer, learning_rate=0.1, momentum=0.5
+    )
+    plain = tgo.MomentumOptimizer(plain_model.parameters(), learning_rate=0.1, momentum=0.5)
+    schedulers = [torch.optim.lr_scheduler.StepLR(o, step_size=1, gamma=0.5) for o in (zero, plain)]
+    for step in range(3):
+        for m, o, sched in zip((model, plain_model), (zero, plain), schedulers, strict=True):
+            _train(m, o, range(step, step + 1))
+            sched.step()
+    assert zero.optim.param_groups[0]["learning_rate"] == 0.1
+    _assert_bitwise(list(model.named_parameters()), list(plain_model.named_parameters()))
+    # Written by the user on ZeRO's group, it is copied into the local one and would be ignored.
+    zero.param_groups[0]["learning_rate"] = 0.01
+    before = [p.detach().clone() for p in model.parameters()]
+    with pytest.raises(ValueError, match=re.escape("key 'learning_rate' (got 0.01) was written after")):
+        _train(model, zero, range(3, 4))
+    assert all(torch.equal(p, b) for p, b in zip(model.parameters(), before, strict=True))
 
 
 # ---------------------------------------------------------------- the earlier layout

@@ -130,6 +130,21 @@ _EQUIVALENT_NOTES = {
 _WRAPPER_KEY_PREFIXES = (LOSS_SCALE_KEY_PREFIX, "agn_")
 
 
+def _same_given_value(value: Any, given: Any) -> bool:
+    """Whether a TF name in a group still holds the value given for it (a copy of it counts)."""
+    if value is given:
+        return True
+    if isinstance(value, Tensor) and isinstance(given, Tensor):
+        return (
+            value.shape == given.shape
+            and value.dtype == given.dtype
+            and value.device == given.device
+            and bool(torch.equal(value, given))
+        )
+    numbers = (int, float)
+    return type(value) in numbers and type(given) in numbers and value == given
+
+
 def _asks_for_nothing(value: Any) -> bool:
     """Whether a foreign hyperparameter's value leaves the update as it is (no decay, no clipping)."""
     return value is None or value is False or (type(value) in (int, float) and value == 0)
@@ -465,7 +480,7 @@ class Optimizer(torch.optim.Optimizer):
     # Ranges of loaded non-slot state, by key (Adam's beta powers lie in [0, 1)).
     _non_slot_ranges: ClassVar[tuple[Hyper, ...]] = ()
     # Instance attributes kept by pickling and deepcopy, beyond torch's three.
-    _pickled_attributes: ClassVar[tuple[str, ...]] = ("_non_slot_keys",)
+    _pickled_attributes: ClassVar[tuple[str, ...]] = ("_non_slot_keys", "_tf_names_given")
     # Truthy only inside _gradients_checked(): step() then skips its own check of every p.grad;
     # a (device, dtype) when that check found every parameter and gradient of it.
     _grads_checked: tuple[torch.device, torch.dtype] | bool = False
@@ -478,6 +493,9 @@ class Optimizer(torch.optim.Optimizer):
             )
         # The group keys of the optimizer-wide state (the same in every group), from _init_non_slot.
         self._non_slot_keys: tuple[str, ...] = ()
+        # Per group index, the values given under TF's names when the group was added or loaded
+        # (``_check_tf_names_written_since``).
+        self._tf_names_given: dict[int, dict[str, Any]] = {}
         defaults = {"foreach": None, "fused": None, **defaults}
         super().__init__(params, defaults)
 
@@ -491,6 +509,7 @@ class Optimizer(torch.optim.Optimizer):
         """Validate the group's hyperparameters and parameters, then add it (as torch does)."""
         if not isinstance(param_group, dict):
             raise TypeError(f"param_group must be a dict, got {type(param_group).__name__}")
+        given = {arg: param_group[arg] for arg, _ in self._tf_renames() if arg in param_group}
         group = self._rename_tf_keys(dict(param_group))
         self._refuse_keys_it_would_not_read(group)
         params = group["params"]
@@ -541,6 +560,7 @@ class Optimizer(torch.optim.Optimizer):
         added.update(non_slot)
         self._non_slot_keys = tuple(non_slot)
         self._mark_written(len(self.param_groups) - 1, added)
+        self._tf_names_given[len(self.param_groups) - 1] = given
 
     def _mark_written(self, index: int, group: dict[str, Any]) -> None:
         """Remember the non-slot tensors this optimizer put in ``group`` (see ``_check_live_non_slot``)."""
@@ -568,6 +588,34 @@ class Optimizer(torch.optim.Optimizer):
                 )
             group[spec.key] = group.pop(spec.arg)
         return group
+
+    @classmethod
+    def _tf_renames(cls) -> tuple[tuple[str, str], ...]:
+        """``(TF name, group key)`` of the hyperparameters whose key is not TF's name."""
+        return tuple((spec.arg, spec.key) for spec in cls._hypers if spec.arg != spec.key)
+
+    def _check_tf_names_written_since(self, index: int, group: dict[str, Any]) -> None:
+        """Refuse a TF name written into a group after it was added (``group["learning_rate"] = x``).
+
+        TF's names are moved to their keys when a group is added or loaded; one
+        written later would sit beside the key the update reads. Kept: a TF name
+        that still holds the value given when the group was added or loaded, as
+        ``ZeroRedundancyOptimizer`` copies its own group (built from the
+        constructor's ``learning_rate=``) into this optimizer's before each step.
+        """
+        given = self._tf_names_given.get(index, {})
+        for arg, key in self._tf_renames():
+            if arg not in group:
+                continue
+            value = group[arg]
+            if arg in given and _same_given_value(value, given[arg]):
+                given[arg] = value  # (the object seen now: the next step compares by identity)
+                continue
+            raise ValueError(
+                f"{type(self).__name__}: param group {index} key {arg!r} (got {value!r}) was written "
+                f"after the group was added and would not be read: this optimizer reads {arg} from "
+                f"{key!r} (now {group.get(key)!r}); write {key!r} instead"
+            )
 
     def _refuse_keys_it_would_not_read(self, group: dict[str, Any]) -> tuple[str, ...]:
         """Refuse a group key that asks for something this optimizer would silently not do.
@@ -633,6 +681,7 @@ class Optimizer(torch.optim.Optimizer):
             for group, non_slot in zip(self.param_groups, old_non_slot, strict=True):
                 group.update(non_slot)
             self._non_slot_keys = tuple(old_non_slot[0]) if old_non_slot else ()
+        self.__dict__.setdefault("_tf_names_given", {})  # (an optimizer pickled before it was kept)
         flags = ["foreach", "fused", *(spec.key for spec in self._hypers if isinstance(spec, Flag))]
         for group in self.param_groups:
             for key in flags:
@@ -909,6 +958,9 @@ class Optimizer(torch.optim.Optimizer):
             for key, value in ns.items():
                 group[key] = group[key].detach().to(device=value.device, dtype=value.dtype).clone()
             self._mark_written(index, group)
+            # A saved group may hold a TF name beside its key (one saved from ZeroRedundancyOptimizer's
+            # local optimizer): the key's loaded value is the one read, and the name stays a copy.
+            self._tf_names_given[index] = {arg: group[arg] for arg, _ in self._tf_renames() if arg in group}
 
     def _validate_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Check everything ``load_state_dict`` will load (the non-slot state is in the groups)."""
@@ -1235,6 +1287,7 @@ class Optimizer(torch.optim.Optimizer):
             for i, group in enumerate(self.param_groups):
                 self._check_live_non_slot(i, group)
                 self._recheck_group_keys(i, group)
+                self._check_tf_names_written_since(i, group)
         slots_of = self._create_slots(grouped, evaluated)
         state = self.state
         has_slots = type(self)._init_slots is not Optimizer._init_slots
