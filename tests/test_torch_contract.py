@@ -224,13 +224,7 @@ def test_a_key_a_training_loop_writes_into_a_group_is_refused_at_the_next_step(s
     _lockstep(opt, params, reference, plain, 2)
     for key, value, idle in (("weight_decay", 0.05, 0.0), ("maximize", True, False)):
         opt.param_groups[0][key] = value
-        before = copy.deepcopy(opt.state_dict())
-        values = [p.detach().clone() for p in params]
-        _set_grads(params, 7)
-        with pytest.raises(ValueError, match=re.escape(f"param group key '{key}' (got {value!r})")):
-            opt.step()
-        assert all(torch.equal(p, v) for p, v in zip(params, values, strict=True))
-        assert _same_state(opt.state_dict(), before)
+        _assert_refused_leaving_all_as_it_was(opt, params, f"param group key '{key}' (got {value!r})")
         opt.param_groups[0][key] = idle
     _lockstep(opt, params, reference, plain, 2)
 
@@ -248,13 +242,8 @@ def test_a_tf_name_written_into_a_group_after_it_was_added_is_refused_at_the_nex
     for arg, key in renames:
         for value in (opt.param_groups[0][key], 0.125):  # the key's own value is refused too
             opt.param_groups[0][arg] = value
-            before = copy.deepcopy(opt.state_dict())
-            values = [p.detach().clone() for p in params]
-            _set_grads(params, 7)
-            with pytest.raises(ValueError, match=re.escape(f"key {arg!r} (got {value!r}) was written after")):
-                opt.step()
-            assert all(torch.equal(p, v) for p, v in zip(params, values, strict=True))
-            assert _same_state(opt.state_dict(), before)
+            message = f"key {arg!r} (got {value!r}) was written after"
+            _assert_refused_leaving_all_as_it_was(opt, params, message)
         del opt.param_groups[0][arg]
     _lockstep(opt, params, reference, plain, 2)
 
@@ -292,6 +281,17 @@ def test_a_tf_name_in_a_loaded_group_is_kept_as_a_copy_until_written():
     _set_grads(params, 7)
     with pytest.raises(ValueError, match=re.escape("key 'learning_rate' (got 0.01) was written after")):
         opt.step()
+
+
+def _assert_refused_leaving_all_as_it_was(opt: Any, params: list[torch.Tensor], message: str) -> None:
+    """The next step raises ValueError with ``message`` and changes no parameter and no state."""
+    before = copy.deepcopy(opt.state_dict())
+    values = [p.detach().clone() for p in params]
+    _set_grads(params, 7)
+    with pytest.raises(ValueError, match=re.escape(message)):
+        opt.step()
+    assert all(torch.equal(p, v) for p, v in zip(params, values, strict=True))
+    assert _same_state(opt.state_dict(), before)
 
 
 def _same_state(a: Any, b: Any) -> bool:
