@@ -644,9 +644,10 @@ class Optimizer(torch.optim.Optimizer):
                     f"{cls}: param group key {key!r} (got {value!r}) is not read by this optimizer; "
                     f"its key is {equivalent!r}{_EQUIVALENT_NOTES.get(key, '')}"
                 )
-            reason = _FOREIGN_KEYS.get(key) or _library_hyper_keys().get(key)
             if equivalent is not None:
                 reason = f"it is another name of {equivalent!r}; {_library_hyper_keys()[equivalent]}"
+            else:
+                reason = _FOREIGN_KEYS.get(key) or _library_hyper_keys().get(key)
             if reason is not None:
                 if _asks_for_nothing(value):
                     idle.append(key)
