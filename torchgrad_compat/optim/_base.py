@@ -578,15 +578,15 @@ class Optimizer(torch.optim.Optimizer):
         A group dict is what users copy from TF code; a TF name torch does not
         know would otherwise sit unused beside the default.
         """
-        for spec in self._hypers:
-            if spec.arg == spec.key or spec.arg not in group:
+        for arg, key in self._tf_renames():
+            if arg not in group:
                 continue
-            if spec.key in group:
+            if key in group:
                 raise ValueError(
-                    f"param group gives both {spec.arg!r} (TensorFlow's name) and {spec.key!r} "
-                    f"(its key in the group): {group[spec.arg]!r} and {group[spec.key]!r}; give one"
+                    f"param group gives both {arg!r} (TensorFlow's name) and {key!r} "
+                    f"(its key in the group): {group[arg]!r} and {group[key]!r}; give one"
                 )
-            group[spec.key] = group.pop(spec.arg)
+            group[key] = group.pop(arg)
         return group
 
     @classmethod
