@@ -21,6 +21,7 @@ import torch
 from optim_specs import SPECS, OptimSpec
 from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 
+import torchgrad_compat.optim as tgo
 from torchgrad_compat.amp import LossScaleOptimizer
 from torchgrad_compat.optim._base import Flag
 from torchgrad_compat.xla import CrossShardOptimizer
@@ -421,6 +422,57 @@ def test_load_state_dict_casts_slots_to_the_parameters_dtype(spec: OptimSpec, ci
     _set_grads(wide_params, 1)
     wide.step()
     assert all(torch.isfinite(p).all() for p in wide_params)
+
+
+@by_spec
+@pytest.mark.parametrize(
+    "path", [{"foreach": False}, {"foreach": True}, {"fused": True}], ids=["loop", "foreach", "fused"]
+)
+def test_a_variable_converted_after_its_slots_were_made_is_refused_until_they_are_reloaded(
+    spec: OptimSpec, cid: str, path: dict[str, bool]
+):
+    # model.double() after a step replaces each p.data and leaves the float32 slots: the three
+    # paths each mixed float64 variables with float32 slots their own way, with three results.
+    params = _params(torch.float32)
+    opt = spec.make(params, cid, **path)
+    _set_grads(params, 0)
+    opt.step()
+    for p in params:
+        p.data = p.data.double()
+    ref_params = [p.detach().clone().requires_grad_() for p in params]
+    ref = spec.make(ref_params, cid, **path)
+    ref.load_state_dict(opt.state_dict())  # (torch's load casts the slots to the variables' dtype)
+    _set_grads(ref_params, 1)
+    ref.step()
+    _set_grads(params, 1)
+    if opt.state:
+        before = copy.deepcopy(opt.state_dict())
+        values = [p.detach().clone() for p in params]
+        message = r"slot '\w+' of variable .* is torch.float32 on cpu, but the variable is now torch.float64"
+        with pytest.raises(TypeError, match=message):
+            opt.step()
+        assert all(torch.equal(p, v) for p, v in zip(params, values, strict=True))
+        assert _same_state(opt.state_dict(), before)
+        opt.load_state_dict(opt.state_dict())  # the remedy the error names
+    opt.step()
+    for p, r in zip(params, ref_params, strict=True):
+        assert p.dtype == torch.float64
+        assert torch.equal(p, r)
+
+
+def test_a_variable_converted_in_a_group_of_mixed_dtypes_is_refused():
+    # A group of two dtypes has no one kind to compare: its slots are read at every step.
+    params = [_params(torch.float32)[0], _params(torch.bfloat16)[1]]
+    opt = tgo.AdamOptimizer(params, 0.1)
+    for step in range(2):
+        _set_grads(params, step)
+        opt.step()
+    params[1].data = params[1].data.float()
+    _set_grads(params, 2)
+    with pytest.raises(
+        TypeError, match=r"slot 'm' of variable .* is torch.bfloat16 on cpu, but the variable is now"
+    ):
+        opt.step()
 
 
 @by_spec

@@ -1128,6 +1128,46 @@ class Optimizer(torch.optim.Optimizer):
                 found[gi] = [state.get(p, {}) for _, p in grouped[gi]]
         return found
 
+    def _check_slots_follow_params(
+        self,
+        grouped: dict[int, list[tuple[Tensor, Tensor]]],
+        kinds: dict[int, tuple[torch.device, torch.dtype] | None],
+    ) -> None:
+        """Refuse a step where a parameter's slots are of another dtype or device than the parameter.
+
+        Slots are made in their parameter's dtype and on its device, as TF's are.
+        A parameter converted afterwards (``model.double()``, ``model.half()``,
+        ``model.to(device)``) keeps them as they were, and the update paths
+        would each mix the two kinds their own way (Adam, float32 slots of float64
+        variables: the loop, foreach and fused paths gave three different
+        results, and TF has no such mix to compare with). Reading every
+        slot at every step would cost as much as the check of the gradients, so
+        a group's slots are read only when the one device and dtype of its
+        parameters (see :func:`_shared_kind`) differs from the one they were last
+        found to follow, as a whole-model conversion makes it, or when there is
+        none (mixed, sparse or sharded groups: read at every step).
+        """
+        seen = self.__dict__.setdefault("_slot_kinds_seen", {})
+        state = self.state
+        cls = type(self).__name__
+        for gi, pairs in grouped.items():
+            kind = kinds.get(gi)
+            if kind is not None and seen.get(gi) == kind:
+                continue
+            for _, p in pairs:
+                for name, slot in state.get(p, {}).items():
+                    if isinstance(slot, Tensor) and (slot.dtype != p.dtype or slot.device != p.device):
+                        raise TypeError(
+                            f"{cls}: slot {name!r} of variable {_describe(p)} is {slot.dtype} on "
+                            f"{slot.device}, but the variable is now {p.dtype} on {p.device}: it was "
+                            "converted after its slots were made (as by model.double() or model.to()). "
+                            "A slot keeps its variable's dtype and device, as in TensorFlow; "
+                            "opt.load_state_dict(opt.state_dict()) converts the slots to the variables' "
+                            "dtypes and devices"
+                        )
+            if kind is not None:
+                seen[gi] = kind
+
     def _init_missing_slots(self, missing: dict[int, list[Tensor]]) -> None:
         state = self.state
         for gi, params in missing.items():
@@ -1253,6 +1293,7 @@ class Optimizer(torch.optim.Optimizer):
         sharded = False
         compiling = torch.compiler.is_compiling()
         in_pair_order: set[int] = set()  # groups whose one bucket lists the pairs' parameters in order
+        kinds_found: dict[int, tuple[torch.device, torch.dtype] | None] = {}
         for gi, pairs in grouped.items():
             grads, params = [g for g, _ in pairs], [p for _, p in pairs]
             # The usual case, read by `map` over the whole lists (0.28 ms per 1000 pairs, against
@@ -1264,6 +1305,7 @@ class Optimizer(torch.optim.Optimizer):
                 kind = kinds[gi]
             else:
                 kind = _shared_kind(grads, params, checked=True)
+            kinds_found[gi] = kind
             if kind is not None:
                 dense[gi] = {kind: (params, grads)}
                 in_pair_order.add(gi)
@@ -1289,6 +1331,7 @@ class Optimizer(torch.optim.Optimizer):
                 self._check_live_non_slot(i, group)
                 self._recheck_group_keys(i, group)
                 self._check_tf_names_written_since(i, group)
+            self._check_slots_follow_params(grouped, kinds_found)
         slots_of = self._create_slots(grouped, evaluated)
         state = self.state
         has_slots = type(self)._init_slots is not Optimizer._init_slots
