@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import copy
 import io
+import math
 import re
 from typing import Any
 
@@ -458,6 +459,37 @@ def test_a_variable_converted_after_its_slots_were_made_is_refused_until_they_ar
     for p, r in zip(params, ref_params, strict=True):
         assert p.dtype == torch.float64
         assert torch.equal(p, r)
+
+
+@by_spec
+@pytest.mark.parametrize(
+    "path", [{"foreach": False}, {"foreach": True}, {"fused": True}], ids=["loop", "foreach", "fused"]
+)
+@pytest.mark.parametrize("shape", [(1, 5), (7,)], ids=["reshaped", "grown"])
+def test_a_variable_given_memory_of_another_shape_after_its_slots_were_made_is_refused(
+    spec: OptimSpec, cid: str, path: dict[str, bool], shape: tuple[int, ...]
+):
+    # p.data = ... of another shape (an embedding grown by rows, a view): the loop updated the
+    # variables before it and then failed in torch's words; the fused path took a reshape of the
+    # same size and updated it in memory order.
+    params = _params(torch.float32)
+    opt = spec.make(params, cid, **path)
+    _set_grads(params, 0)
+    opt.step()
+    params[1].data = torch.linspace(-1, 1, math.prod(shape)).reshape(shape)
+    _set_grads(params, 1)
+    if opt.state:
+        before = copy.deepcopy(opt.state_dict())
+        values = [p.detach().clone() for p in params]
+        message = rf"slot '\w+' of variable {re.escape(f'tensor(shape={shape}')}.* has shape \(5,\)"
+        with pytest.raises(ValueError, match=message):
+            opt.step()
+        assert all(torch.equal(p, v) for p, v in zip(params, values, strict=True))
+        assert _same_state(opt.state_dict(), before)
+        del opt.state[params[1]]  # the remedy the error names: its slots start again
+    opt.step()
+    assert all(slot.shape == shape for slot in opt.state.get(params[1], {}).values())
+    assert all(torch.isfinite(p).all() for p in params)
 
 
 def test_a_variable_converted_in_a_group_of_mixed_dtypes_is_refused():

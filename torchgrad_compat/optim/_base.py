@@ -766,6 +766,7 @@ class Optimizer(torch.optim.Optimizer):
                 loss = closure()
         grouped: dict[int, list[tuple[Tensor, Tensor]]] = {}
         kinds: dict[int, tuple[torch.device, torch.dtype] | None] = {}
+        shapes: dict[int, list[torch.Size]] = {}
         checked = self._grads_checked
         compiling = torch.compiler.is_compiling()
         census = not checked and not compiling
@@ -789,7 +790,12 @@ class Optimizer(torch.optim.Optimizer):
                 if isinstance(checked, tuple):
                     kinds[gi] = checked
                 continue
-            kind = _shared_kind(grads, params) if census else None
+            if census:
+                # (Read once: the check of the slots compares them with the last step's.)
+                shapes[gi] = list(map(_SHAPE_OF, params))
+                kind = _shared_kind(grads, params, param_shapes=shapes[gi])
+            else:
+                kind = None
             if kind is None and not _grads_fit(grads, params):
                 for g, p in grouped[gi]:
                     _check_grad(type(self).__name__, g, p)
@@ -799,7 +805,7 @@ class Optimizer(torch.optim.Optimizer):
             if _called_from_dcp_init():
                 self._create_slots(grouped)
             else:
-                self._apply(grouped, kinds)
+                self._apply(grouped, kinds, shapes)
         return loss
 
     @contextmanager
@@ -1130,33 +1136,52 @@ class Optimizer(torch.optim.Optimizer):
 
     def _check_slots_follow_params(
         self,
-        grouped: dict[int, list[tuple[Tensor, Tensor]]],
-        kinds: dict[int, tuple[torch.device, torch.dtype] | None],
+        found: dict[int, tuple[list[Tensor], tuple[torch.device, torch.dtype] | None]],
+        shapes: dict[int, list[torch.Size]],
     ) -> None:
-        """Refuse a step where a parameter's slots are of another dtype or device than the parameter.
+        """Refuse a step where a parameter's slots differ from it in shape, dtype or device.
 
-        Slots are made in their parameter's dtype and on its device, as TF's are.
-        A parameter converted afterwards (``model.double()``, ``model.half()``,
-        ``model.to(device)``) keeps them as they were, and the update paths
-        would each mix the two kinds their own way (Adam, float32 slots of float64
-        variables: the loop, foreach and fused paths gave three different
-        results, and TF has no such mix to compare with). Reading every
-        slot at every step would cost as much as the check of the gradients, so
-        a group's slots are read only when the one device and dtype of its
-        parameters (see :func:`_shared_kind`) differs from the one they were last
-        found to follow, as a whole-model conversion makes it, or when there is
-        none (mixed, sparse or sharded groups: read at every step).
+        Slots are made in their parameter's shape, dtype and device, as TF's are.
+        A parameter converted afterwards (``model.double()``, ``model.to(device)``)
+        or given other memory (``p.data = torch.cat([p.data, rows])``, a view in
+        another shape) keeps them as they were. The update paths then parted
+        ways: with float32 slots of float64 variables (Adam) the loop, foreach
+        and fused paths gave three different results, and with a slot of
+        another shape the loop updated the parameters before the one that
+        failed (a step half taken), foreach failed in torch's words, and the
+        fused path, for a reshape of the same size, updated it in memory order.
+        Reading every slot at every step would cost as much as the check of the
+        gradients, so a group's slots are read only when its parameters, their
+        shapes or their one device and dtype (see :func:`_shared_kind`) differ
+        from the last step that read them, and at every step where they have
+        no one device and dtype (mixed, sparse or sharded groups).
         """
-        seen = self.__dict__.setdefault("_slot_kinds_seen", {})
+        if type(self)._init_slots is Optimizer._init_slots:
+            return
+        seen = self.__dict__.setdefault("_slots_read_for", {})
         state = self.state
         cls = type(self).__name__
-        for gi, pairs in grouped.items():
-            kind = kinds.get(gi)
-            if kind is not None and seen.get(gi) == kind:
+        for gi, (params, kind) in found.items():
+            if kind is None:
+                key = None
+            else:
+                shape_list = shapes[gi] if gi in shapes else list(map(_SHAPE_OF, params))
+                key = (kind, list(map(id, params)), shape_list)
+            if key is not None and seen.get(gi) == key:
                 continue
-            for _, p in pairs:
+            for p in params:
                 for name, slot in state.get(p, {}).items():
-                    if isinstance(slot, Tensor) and (slot.dtype != p.dtype or slot.device != p.device):
+                    if not isinstance(slot, Tensor):
+                        continue
+                    if slot.shape != p.shape:
+                        raise ValueError(
+                            f"{cls}: slot {name!r} of variable {_describe(p)} has shape "
+                            f"{tuple(slot.shape)}: the variable was given memory of another shape after "
+                            "its slots were made (as by p.data = ...). A slot keeps its variable's shape, "
+                            "as in TensorFlow; `del opt.state[p]` makes that variable's slots again, "
+                            "from their initial values, at the next step"
+                        )
+                    if slot.dtype != p.dtype or slot.device != p.device:
                         raise TypeError(
                             f"{cls}: slot {name!r} of variable {_describe(p)} is {slot.dtype} on "
                             f"{slot.device}, but the variable is now {p.dtype} on {p.device}: it was "
@@ -1165,8 +1190,8 @@ class Optimizer(torch.optim.Optimizer):
                             "opt.load_state_dict(opt.state_dict()) converts the slots to the variables' "
                             "dtypes and devices"
                         )
-            if kind is not None:
-                seen[gi] = kind
+            if key is not None:
+                seen[gi] = key
 
     def _init_missing_slots(self, missing: dict[int, list[Tensor]]) -> None:
         state = self.state
@@ -1277,12 +1302,14 @@ class Optimizer(torch.optim.Optimizer):
         self,
         grouped: dict[int, list[tuple[Tensor, Tensor]]],
         kinds: dict[int, tuple[torch.device, torch.dtype] | None] | None = None,
+        shapes: dict[int, list[torch.Size]] | None = None,
     ) -> None:
         """Update each group from its checked ``(grad, param)`` pairs, then run ``_finish`` once per group.
 
         ``kinds``: per group, the one device and dtype that the caller found every pair
         to have (:func:`_shared_kind`), or None where it found none; groups it did not
-        look at are looked at here.
+        look at are looked at here. ``shapes``: per group, the shapes of its pairs'
+        parameters, where the caller has read them.
         """
         self._sync_aliases()
         cls = type(self).__name__
@@ -1293,7 +1320,9 @@ class Optimizer(torch.optim.Optimizer):
         sharded = False
         compiling = torch.compiler.is_compiling()
         in_pair_order: set[int] = set()  # groups whose one bucket lists the pairs' parameters in order
-        kinds_found: dict[int, tuple[torch.device, torch.dtype] | None] = {}
+        # Per group, its pairs' parameters and their one (device, dtype), for the check of the slots.
+        found: dict[int, tuple[list[Tensor], tuple[torch.device, torch.dtype] | None]] = {}
+        shapes = shapes or {}
         for gi, pairs in grouped.items():
             grads, params = [g for g, _ in pairs], [p for _, p in pairs]
             # The usual case, read by `map` over the whole lists (0.28 ms per 1000 pairs, against
@@ -1305,7 +1334,7 @@ class Optimizer(torch.optim.Optimizer):
                 kind = kinds[gi]
             else:
                 kind = _shared_kind(grads, params, checked=True)
-            kinds_found[gi] = kind
+            found[gi] = (params, kind)
             if kind is not None:
                 dense[gi] = {kind: (params, grads)}
                 in_pair_order.add(gi)
@@ -1331,7 +1360,7 @@ class Optimizer(torch.optim.Optimizer):
                 self._check_live_non_slot(i, group)
                 self._recheck_group_keys(i, group)
                 self._check_tf_names_written_since(i, group)
-            self._check_slots_follow_params(grouped, kinds_found)
+            self._check_slots_follow_params(found, shapes)
         slots_of = self._create_slots(grouped, evaluated)
         state = self.state
         has_slots = type(self)._init_slots is not Optimizer._init_slots
@@ -2635,13 +2664,17 @@ def _merge_old_non_slot(cls: str, state_dict: Any) -> Any:
 
 
 def _shared_kind(
-    grads: list[Tensor], params: list[Tensor], checked: bool = False
+    grads: list[Tensor],
+    params: list[Tensor],
+    checked: bool = False,
+    param_shapes: list[torch.Size] | None = None,
 ) -> tuple[torch.device, torch.dtype] | None:
     """The one device and dtype of every parameter and gradient, when every gradient is dense and
     strided with its parameter's shape and none of them is a DTensor; else None.
 
     ``checked``: each gradient is known to fit its parameter (shape, dtype, device), so only the
-    parameters' devices and dtypes are read. Read by ``map`` over whole lists, attribute by
+    parameters' devices and dtypes are read. ``param_shapes``: the parameters' shapes, where the
+    caller has read them. Read by ``map`` over whole lists, attribute by
     attribute: in the usual case it replaces both :func:`_grads_fit` and a second reading
     of the devices and dtypes to group the update by them.
     """
@@ -2653,7 +2686,9 @@ def _shared_kind(
         return None
     if any(issubclass(t, DTensor) for t in {*map(type, params), *map(type, grads)}):
         return None
-    if not checked and list(map(_SHAPE_OF, grads)) != list(map(_SHAPE_OF, params)):
+    if not checked and list(map(_SHAPE_OF, grads)) != (
+        list(map(_SHAPE_OF, params)) if param_shapes is None else param_shapes
+    ):
         return None
     if not checked and (set(map(_DEVICE_OF, grads)) != devices or set(map(_DTYPE_OF, grads)) != dtypes):
         return None
