@@ -126,6 +126,74 @@ def test_a_graph_whose_inputs_cannot_be_placed_runs_through_torch_compile(monkey
         assert torch.equal(f, r)
 
 
+_CONV_SHAPES = [(8, 3, 3, 3), (4, 8, 3, 3), (8,), (2, 4, 3, 3, 3)]
+
+
+def _run_conv(spec: OptimSpec, cid: str, channels_last: bool, **path) -> tuple[list[torch.Tensor], Any]:
+    """Conv-like parameters, in channels_last(_3d) or contiguous; gradients and slots laid out as them."""
+    gen = torch.Generator().manual_seed(0)
+    params = [torch.nn.Parameter(torch.randn(s, generator=gen)) for s in _CONV_SHAPES]
+    if channels_last:
+        for p in params:
+            if p.dim() > 1:
+                fmt = torch.channels_last if p.dim() == 4 else torch.channels_last_3d
+                p.data = p.data.to(memory_format=fmt)
+    opt = spec.make(params, cid, **path)
+    for _ in range(STEPS):
+        for p in params:
+            p.grad = torch.empty_like(p).copy_(torch.randn(p.shape, generator=gen))
+        opt.step()
+    return params, opt
+
+
+@pytest.mark.parametrize(("spec", "cid"), ALL_CONFIGS, ids=ALL_IDS)
+def test_channels_last_rows_go_through_the_kernels_in_memory_order(spec: OptimSpec, cid: str):
+    """A parameter, gradient and slots all dense in one channels-last format are updated flat, in
+    memory order: every row goes through the kernels, with the numbers of the same tensors laid
+    out contiguously, and of the loop (bitwise where no square root is taken)."""
+    params, opt = _run_conv(spec, cid, True, fused=True)
+    assert params[0].grad.is_contiguous(memory_format=torch.channels_last)
+    plan = next(
+        plan for plan in optim_base._FusedPlan._kept.values() if params[0].data_ptr() in plan.alias_addresses
+    )
+    assert not plan.loop_rows
+    fused = [p.detach().clone() for p in params] + [s.clone() for p in params for s in opt.state[p].values()]
+    contiguous_params, contiguous_opt = _run_conv(spec, cid, False, fused=True)
+    loop_params, loop_opt = _run_conv(spec, cid, True, foreach=False)
+    for params_b, opt_b, bitwise in (
+        (contiguous_params, contiguous_opt, True),
+        (loop_params, loop_opt, spec.name in SQRT_FREE),
+    ):
+        other = [p.detach() for p in params_b] + [s for p in params_b for s in opt_b.state[p].values()]
+        for f, o in zip(fused, other, strict=True):
+            if bitwise:
+                assert torch.equal(f, o)
+            else:
+                torch.testing.assert_close(
+                    f, o, rtol=FUSED_TOL[torch.float32][0], atol=FUSED_TOL[torch.float32][1]
+                )
+
+
+def test_a_gradient_laid_out_otherwise_than_its_channels_last_parameter_takes_the_loop():
+    """Step by step the gradient of a channels-last parameter is channels-last, contiguous, then
+    channels-last again: each step pairs the right elements (the loop's numbers, bitwise)."""
+    runs = []
+    for path in ({"fused": True}, {"foreach": False}):
+        gen = torch.Generator().manual_seed(1)
+        params = [torch.nn.Parameter(torch.randn(s, generator=gen)) for s in _CONV_SHAPES[:3]]
+        for p in params[:2]:
+            p.data = p.data.to(memory_format=torch.channels_last)
+        opt = tgo.MomentumOptimizer(params, learning_rate=0.1, momentum=0.9, **path)
+        for step in range(4):
+            for p in params:
+                g = torch.randn(p.shape, generator=gen)
+                p.grad = g.contiguous() if step in (1, 3) else torch.empty_like(p).copy_(g)
+            opt.step()
+        runs.append([p.detach().clone() for p in params] + [opt.state[p]["momentum"] for p in params])
+    for f, r in zip(*runs, strict=True):
+        assert torch.equal(f, r)
+
+
 def test_kept_flat_aliases_follow_replaced_parameters_and_slots():
     """Each step updates what parameters and slots hold now: after p.data = ..., a load, a transpose."""
     runs = []

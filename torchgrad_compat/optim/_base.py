@@ -1525,7 +1525,7 @@ def _run_fused(single: Callable[..., None], *lists: list[Tensor], **scalars: Any
     loaded checkpoint, and is called directly (see :class:`_FusedKernel`).
     The last chunk is filled up with small tensors of zeros kept for that
     purpose (what the update makes of them is thrown away). Tensors the kernel
-    cannot take flattened (not contiguous) or with fewer than two elements
+    cannot take flattened (see :func:`_layouts`) or with fewer than two elements
     (torch.compile specialises sizes 0 and 1) go through the reference loop
     itself. Inside a caller's own ``torch.compile`` the loop is traced into
     the caller's graph instead, and with grad mode on it runs as it is. How
@@ -1844,15 +1844,26 @@ def _placeholder_layout(
 class _FusedChunk:
     """One call's worth of a plan: its rows, the flat aliases of all but the gradients, and their sizes."""
 
-    def __init__(self, rows: list[int], lists: list[list[Tensor]], grad_fillers: list[Tensor]):
+    def __init__(
+        self,
+        rows: list[int],
+        lists: list[list[Tensor]],
+        grad_fillers: list[Tensor],
+        channels_last: frozenset[int] = frozenset(),
+    ):
         self.rows, self.flat, self.grad_fillers = rows, lists, grad_fillers
+        # The rows (indices into the bucket) whose tensors are dense in a channels-last format.
+        self.channels_last = channels_last
         self.sizes = [t.numel() for t in lists[0]]
-        # Per kernel: the kept argument list, and where this step's gradients and scalars go in it.
-        self._arguments: dict[int, tuple[list[Any], list[tuple[int, int]], list[tuple[int, str]]]] = {}
+        # Per kernel: the kept argument list, where this step's gradients go in it (contiguous
+        # ones, then channels-last ones) and where its scalars go.
+        self._arguments: dict[
+            int, tuple[list[Any], list[tuple[int, int]], list[tuple[int, int]], list[tuple[int, str]]]
+        ] = {}
 
     def lists(self, grads: list[Tensor]) -> list[list[Tensor]]:
         """The chunk's lists, with this step's gradients flattened in."""
-        flat_grads = [grads[i].view(-1).detach() for i in self.rows] + self.grad_fillers
+        flat_grads = [_flat(grads[i]) for i in self.rows] + self.grad_fillers
         return [flat_grads if j == 1 else lst for j, lst in enumerate(self.flat)]
 
     def arguments(self, kernel: _FusedKernel, grads: list[Tensor], scalars: dict[str, Any]) -> list[Any]:
@@ -1861,6 +1872,7 @@ class _FusedChunk:
         if kept is None:
             template: list[Any] = []
             grad_at: list[tuple[int, int]] = []
+            channels_last_grad_at: list[tuple[int, int]] = []
             scalar_at: list[tuple[int, str]] = []
             real = len(self.rows)
             for position, (kind, where) in enumerate(kernel.layout or ()):
@@ -1869,7 +1881,9 @@ class _FusedChunk:
                     if j != 1:
                         template.append(self.flat[j][i])
                     elif i < real:
-                        grad_at.append((position, self.rows[i]))
+                        row = self.rows[i]
+                        at = channels_last_grad_at if row in self.channels_last else grad_at
+                        at.append((position, row))
                         template.append(None)
                     else:
                         template.append(self.grad_fillers[i - real])
@@ -1878,13 +1892,17 @@ class _FusedChunk:
                     template.append(None)
                 else:
                     template.append(self.sizes[where])
-            kept = self._arguments[id(kernel)] = (template, grad_at, scalar_at)
-        template, grad_at, scalar_at = kept
+            kept = self._arguments[id(kernel)] = (template, grad_at, channels_last_grad_at, scalar_at)
+        template, grad_at, channels_last_grad_at, scalar_at = kept
         arguments = template.copy()
         for position, i in grad_at:
             g = grads[i]
-            # Rows are contiguous (see _FusedPlan): ravel is a view, and a 1-D row needs none.
+            # These rows are contiguous (see _FusedPlan): ravel is a view, and a 1-D row needs none.
             arguments[position] = g if g.dim() == 1 else g.ravel()
+        for position, i in channels_last_grad_at:
+            # In memory order, as the row's parameter and slots (ravel would copy in logical order).
+            g = grads[i]
+            arguments[position] = g.as_strided((g.numel(),), (1,))
         for position, name in scalar_at:
             arguments[position] = scalars[name]
         return arguments
@@ -1899,7 +1917,7 @@ class _FusedPlan:
     same memory every step. A plan holds their flat aliases and the
     partition between kernel and loop, and is used again while every
     parameter and slot has the same ``data_ptr`` and size, every tensor
-    the same contiguity as when it was made, and every alias is where it
+    the same layout (see :func:`_layouts`) as when it was made, and every alias is where it
     was (memory freed under it, by ``untyped_storage().resize_(0)``, is not). Holding the aliases keeps that
     memory allocated, so a tensor at the same ``data_ptr`` and size is the
     same bytes, whatever object carries it (a loaded checkpoint's slots or
@@ -1921,11 +1939,14 @@ class _FusedPlan:
     def __init__(self, single: Callable[..., None], lists: tuple[list[Tensor], ...], signature: Any):
         self.single, self.signature, self.chunk_size = single, signature, FUSED_CHUNK
         params = lists[0]
-        contiguous = zip(*signature[2], strict=True)  # per row, of each non-empty list
+        layouts = zip(*signature[2], strict=True)  # per row, of each non-empty list (see _layouts)
         # Triton indexes in 32 bits for the sizes the kernels are compiled for; Inductor guards
         # that, but the direct calls skip its guards, so larger rows take the loop.
         largest = _TRITON_ROW_LIMIT if params[0].device.type != "cpu" else math.inf
-        fits = [2 <= p.numel() <= largest and all(c) for p, c in zip(params, contiguous, strict=True)]
+        fits = [
+            2 <= p.numel() <= largest and bool(row[0]) and row.count(row[0]) == len(row)
+            for p, row in zip(params, layouts, strict=True)
+        ]
         if not all(fits):
             # The loop's rows are updated before the kernels': one sharing memory with a kernel
             # row (weights tied through a transpose) would see the updates in another order.
@@ -1938,16 +1959,17 @@ class _FusedPlan:
         fill = _fillers_by_list(lists, missing)
         self.fillers = [t for f in fill.values() for t in f]
         self.has_fillers = bool(missing)
+        channels_last = frozenset(i for i in kernel_rows if signature[2][0][i] is not True)
         self.chunks: list[_FusedChunk] = []
         for start in range(0, len(kernel_rows), FUSED_CHUNK):
             rows = kernel_rows[start : start + FUSED_CHUNK]
             # Flat aliases of all but the gradients (index 1, flattened at each step).
             last = len(rows) < FUSED_CHUNK
             flat = [
-                [lst[i].view(-1).detach() for i in rows] + (fill[j] if last else []) if lst and j != 1 else []
+                [_flat(lst[i]) for i in rows] + (fill[j] if last else []) if lst and j != 1 else []
                 for j, lst in enumerate(lists)
             ]
-            self.chunks.append(_FusedChunk(rows, flat, fill[1] if last else []))
+            self.chunks.append(_FusedChunk(rows, flat, fill[1] if last else [], channels_last & set(rows)))
         # The aliases of the user's tensors, and where they were: memory freed under them
         # (``untyped_storage().resize_(0)``, as offloading does) moves them to null.
         self.aliases = [
@@ -2022,11 +2044,11 @@ class _FusedPlan:
     def of(cls, single: Callable[..., None], lists: tuple[list[Tensor], ...]) -> _FusedPlan:
         """The kept plan for ``lists`` if it still holds, else a new one (kept in its place)."""
         kept = [lists[0], *lists[2:]]
-        # Addresses and sizes of parameters and slots, contiguity of every tensor (gradients too).
+        # Addresses and sizes of parameters and slots, layout of every tensor (gradients too).
         signature = (
             [list(map(Tensor.data_ptr, lst)) for lst in kept],
             [list(map(Tensor.numel, lst)) for lst in kept],
-            [list(map(Tensor.is_contiguous, lst)) for lst in lists if lst],
+            [_layouts(lst) for lst in lists if lst],
             torch.is_inference_mode_enabled(),
         )
         # The kernels read and write each row as its parameter's size and its list's dtype: a
@@ -2210,6 +2232,35 @@ def _refuse_inference_rows(lists: tuple[list[Tensor], ...]) -> None:
                 f"fused update: {what} {i} is an inference tensor (made under torch.inference_mode()); "
                 "it cannot be updated in place outside inference mode. Make a clone of it first"
             )
+
+
+def _layouts(tensors: list[Tensor]) -> list[bool | str]:
+    """Per tensor, how a fused kernel can take it flat: True if contiguous, the name of a
+    channels-last format it is dense in (a 4-D or 5-D tensor), else False.
+
+    A row whose parameter, gradient and slots are all dense in the same format is
+    updated in memory order: element ``k`` of each is the same logical element.
+    """
+    layouts: list[bool | str] = list(map(Tensor.is_contiguous, tensors))
+    if all(layouts):
+        return layouts
+    return [layout or _channels_last(t) for layout, t in zip(layouts, tensors, strict=True)]
+
+
+def _channels_last(t: Tensor) -> str | bool:
+    if t.dim() == 4 and t.is_contiguous(memory_format=torch.channels_last):
+        return "channels_last"
+    if t.dim() == 5 and t.is_contiguous(memory_format=torch.channels_last_3d):
+        return "channels_last_3d"
+    return False
+
+
+def _flat(t: Tensor) -> Tensor:
+    """A 1-D alias of ``t``'s elements in memory order (``t`` contiguous or dense in a
+    channels-last format)."""
+    if t.is_contiguous():
+        return t.view(-1).detach()
+    return t.as_strided((t.numel(),), (1,)).detach()
 
 
 def _bytes_spanned(t: Tensor) -> int:
