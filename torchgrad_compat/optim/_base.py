@@ -1152,9 +1152,9 @@ class Optimizer(torch.optim.Optimizer):
         fused path, for a reshape of the same size, updated it in memory order.
         Reading every slot at every step would cost as much as the check of the
         gradients, so a group's slots are read only when its parameters, their
-        shapes or their one device and dtype (see :func:`_shared_kind`) differ
-        from the last step that read them, and at every step where they have
-        no one device and dtype (mixed, sparse or sharded groups).
+        shapes, or their one device and dtype (see :func:`_shared_kind`; each
+        one's, in groups that have none: mixed, sparse or sharded) differ from
+        the last step that read them.
         """
         if type(self)._init_slots is Optimizer._init_slots:
             return
@@ -1162,12 +1162,13 @@ class Optimizer(torch.optim.Optimizer):
         state = self.state
         cls = type(self).__name__
         for gi, (params, kind) in found.items():
-            if kind is None:
-                key = None
+            shape_list = shapes[gi] if gi in shapes else list(map(_SHAPE_OF, params))
+            if kind is not None:
+                key: tuple[Any, ...] = (kind, list(map(id, params)), shape_list)
             else:
-                shape_list = shapes[gi] if gi in shapes else list(map(_SHAPE_OF, params))
-                key = (kind, list(map(id, params)), shape_list)
-            if key is not None and seen.get(gi) == key:
+                each = (list(map(_DTYPE_OF, params)), list(map(_DEVICE_OF, params)))
+                key = (None, list(map(id, params)), shape_list, *each)
+            if seen.get(gi) == key:
                 continue
             for p in params:
                 for name, slot in state.get(p, {}).items():
@@ -1190,8 +1191,7 @@ class Optimizer(torch.optim.Optimizer):
                             "opt.load_state_dict(opt.state_dict()) converts the slots to the variables' "
                             "dtypes and devices"
                         )
-            if key is not None:
-                seen[gi] = key
+            seen[gi] = key
 
     def _init_missing_slots(self, missing: dict[int, list[Tensor]]) -> None:
         state = self.state
