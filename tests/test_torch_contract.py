@@ -586,6 +586,8 @@ def test_non_contiguous_parameters_step_as_contiguous_ones(spec: OptimSpec, cid:
     strided = [
         torch.randn(4, 3, 2, generator=gen)[..., 0].requires_grad_(),
         torch.randn(3, 5, generator=gen).t().requires_grad_(),
+        # (The foreach path's temporaries are laid out as a channels-last parameter.)
+        torch.randn(2, 3, 4, 5, generator=gen).to(memory_format=torch.channels_last).requires_grad_(),
     ]
     assert not any(p.is_contiguous() for p in strided)
     dense = [p.detach().contiguous().requires_grad_() for p in strided]

