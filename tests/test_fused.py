@@ -889,3 +889,123 @@ def test_the_cuda_options_turn_off_contraction_and_round_division():
         pytest.skip(f"torch {torch.__version__}: Inductor has no division-rounding option (fused=True warns)")
     assert optim_base._triton_rounds_as_eager(optim_base._triton_options())
     assert not optim_base._triton_rounds_as_eager({})
+
+
+def test_kept_metadata_tells_apart_every_property_the_checks_read():
+    """A step whose tensors are as at the last one skips reading their properties in Python; what
+    tells it so must see every property those reads would: on the torch this is tested with, the
+    one-call check is in use, and each change below is told apart."""
+    assert optim_base._tensor_guards() is not None
+    like = torch.zeros(4, 6)
+    kept = optim_base._SameMeta.of([like])
+    assert kept is not None and kept.holds([torch.ones(4, 6)])
+    with torch.inference_mode():
+        inference = torch.zeros(4, 6)
+    others = {
+        "shape": torch.zeros(6, 4),
+        "rank": torch.zeros(4, 6, 1),
+        "dtype": torch.zeros(4, 6, dtype=torch.float64),
+        "bfloat16 bits": torch.zeros(4, 6, dtype=torch.float16).view(torch.bfloat16),
+        "strides": torch.zeros(6, 4).t(),
+        "requires_grad": torch.zeros(4, 6, requires_grad=True),
+        "subclass": torch.nn.Parameter(torch.zeros(4, 6), requires_grad=False),
+        "sparse": torch.zeros(4, 6).to_sparse(),
+        "inference": inference,
+        "meta": torch.zeros(4, 6, device="meta"),
+        "not a tensor": None,
+    }
+    for what, other in others.items():
+        assert not kept.holds([other]), what
+    assert not kept.holds([like, like]) and not kept.holds([])
+
+
+def _changed_after_two_steps(opt_of: Any, change: str) -> tuple[str, list[torch.Tensor]]:
+    """Two steps, ``change``, a third step: what it raised, else every parameter and slot after it."""
+    gen = torch.Generator().manual_seed(0)
+    shapes = [(8,), (2, 4), (2, 3, 2, 2), (5,), (3, 3)]
+    params = [torch.nn.Parameter(torch.randn(s, generator=gen)) for s in shapes]
+    replace_in_lr = [False]
+
+    def learning_rate() -> float:
+        if replace_in_lr[0]:
+            params[1].grad.data = torch.ones(3)
+        return 0.1
+
+    opt = opt_of(params, learning_rate)
+    for step in range(3):
+        for p in params:
+            p.grad = torch.randn(p.shape, generator=gen)
+        if step == 2:
+            p = params[1]
+            if change == "gradient shape":
+                p.grad.data = torch.ones(3)
+            elif change == "gradient dtype":
+                p.grad.data = p.grad.data.double()
+            elif change == "gradient transposed":
+                p.grad = p.grad.t().contiguous().t()
+            elif change == "gradient sparse":
+                p.grad = p.grad.to_sparse(1)
+            elif change == "gradient channels-last":
+                params[2].grad = params[2].grad.contiguous(memory_format=torch.channels_last)
+            elif change == "parameter channels-last":
+                params[2].data = params[2].data.contiguous(memory_format=torch.channels_last)
+                params[2].grad = params[2].grad.contiguous(memory_format=torch.channels_last)
+            elif change == "parameter dtype":
+                p.data, p.grad = p.data.double(), p.grad.double()
+            elif change == "parameter reshaped":
+                p.data, p.grad = p.data.view(8), p.grad.view(8)
+            elif change == "parameter moved":
+                p.data = p.data.clone()
+            elif change == "gradient replaced by the learning rate":
+                replace_in_lr[0] = True
+        try:
+            opt.step()
+        except (ValueError, TypeError, RuntimeError) as error:
+            return f"{type(error).__name__}: {error}", []
+    return "", [p.detach().clone() for p in params] + [
+        s.clone() for p in params for s in opt.state[p].values()
+    ]
+
+
+_CHANGES = [
+    "gradient shape",
+    "gradient dtype",
+    "gradient transposed",
+    "gradient sparse",
+    "gradient channels-last",
+    "parameter channels-last",
+    "parameter dtype",
+    "parameter reshaped",
+    "parameter moved",
+    "gradient replaced by the learning rate",
+]
+_REFUSED = {"gradient shape", "gradient dtype", "gradient replaced by the learning rate"}
+
+
+@pytest.mark.parametrize("change", _CHANGES)
+@pytest.mark.parametrize(
+    ("opt_of", "has_slots"),
+    [
+        (lambda ps, lr: tgo.MomentumOptimizer(ps, learning_rate=lr, momentum=0.9, fused=True), True),
+        (lambda ps, lr: tgo.MomentumOptimizer(ps, learning_rate=lr, momentum=0.9, foreach=False), True),
+        (lambda ps, lr: tgo.GradientDescentOptimizer(ps, learning_rate=lr, fused=True), False),
+    ],
+    ids=["Momentum-fused", "Momentum-loop", "GradientDescent-fused"],
+)
+def test_a_step_after_its_tensors_changed_is_checked_as_a_first_step(
+    monkeypatch, opt_of: Any, has_slots: bool, change: str
+):
+    """After two steps the checks keep what they found; a third step whose parameters or gradients
+    were changed in between must end as it does when nothing was kept: refused with the same
+    words, or with the same numbers, bitwise."""
+    kept = _changed_after_two_steps(opt_of, change)
+    monkeypatch.setattr(optim_base._SameMeta, "of", classmethod(lambda cls, tensors: None))
+    checked_in_full = _changed_after_two_steps(opt_of, change)
+    assert kept[0] == checked_in_full[0]
+    # (Slots keep their variable's dtype and shape: a converted or reshaped variable is refused.)
+    refused = _REFUSED | ({"parameter dtype", "parameter reshaped"} if has_slots else set())
+    assert bool(kept[0]) == (change in refused), kept[0]
+    assert len(kept[1]) == len(checked_in_full[1])
+    for a, b in zip(kept[1], checked_in_full[1], strict=True):
+        assert a.dtype == b.dtype and a.shape == b.shape and a.stride() == b.stride()
+        assert torch.equal(a, b)
