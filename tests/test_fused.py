@@ -896,6 +896,9 @@ def test_kept_metadata_tells_apart_every_property_the_checks_read():
     tells it so must see every property those reads would: on the torch this is tested with, the
     one-call check is in use, and each change below is told apart."""
     assert optim_base._tensor_guards() is not None
+    optim_base._tensor_guards.cache_clear()  # (as if the first step ran under inference mode)
+    with torch.inference_mode():
+        assert optim_base._tensor_guards() is not None
     like = torch.zeros(4, 6)
     kept = optim_base._SameMeta.of([like])
     assert kept is not None and kept.holds([torch.ones(4, 6)])

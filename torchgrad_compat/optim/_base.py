@@ -2847,31 +2847,38 @@ class _SameMeta:
 
 @functools.cache
 def _tensor_guards() -> Any:
-    """dynamo's ``TensorGuards`` where it tells apart what :class:`_SameMeta` relies on, else None."""
-    try:
-        from torch._C._dynamo.guards import TensorGuards
+    """dynamo's ``TensorGuards`` where it tells apart what :class:`_SameMeta` relies on, else None.
 
-        like = torch.zeros(2, 3)
-        check = TensorGuards(
-            like, dynamic_dims_sizes=None, dynamic_dims_strides=None, tensor_check_names=["t"]
-        ).check
-        others = [
-            torch.zeros(3, 2),
-            torch.zeros(2, 3, 1),
-            torch.zeros(2, 3, dtype=torch.float64),
-            torch.zeros(3, 2).t(),
-            torch.zeros(2, 3).requires_grad_(),
-            torch.nn.Parameter(torch.zeros(2, 3), requires_grad=False),
-            torch.zeros(2, 3).to_sparse(),
-            None,
-        ]
-        with torch.inference_mode():
-            others.append(torch.zeros(2, 3))
-        if check(torch.ones(2, 3)) and not any(check(t) for t in others):
-            return TensorGuards
+    Tried on ordinary tensors whatever the caller's mode (a first step may run under
+    inference mode, whose tensors would all look alike).
+    """
+    try:
+        with torch.inference_mode(False):
+            return _tensor_guards_tried()
     except Exception:  # absent or changed in this torch release
-        pass
-    return None
+        return None
+
+
+def _tensor_guards_tried() -> Any:
+    from torch._C._dynamo.guards import TensorGuards
+
+    like = torch.zeros(2, 3)
+    check = TensorGuards(
+        like, dynamic_dims_sizes=None, dynamic_dims_strides=None, tensor_check_names=["t"]
+    ).check
+    others = [
+        torch.zeros(3, 2),
+        torch.zeros(2, 3, 1),
+        torch.zeros(2, 3, dtype=torch.float64),
+        torch.zeros(3, 2).t(),
+        torch.zeros(2, 3).requires_grad_(),
+        torch.nn.Parameter(torch.zeros(2, 3), requires_grad=False),
+        torch.zeros(2, 3).to_sparse(),
+        None,
+    ]
+    with torch.inference_mode():
+        others.append(torch.zeros(2, 3))
+    return TensorGuards if check(torch.ones(2, 3)) and not any(check(t) for t in others) else None
 
 
 def _grads_fit(grads: list[Tensor], params: list[Tensor]) -> bool:
