@@ -1127,8 +1127,12 @@ class Optimizer(torch.optim.Optimizer):
                         )
         # By identity, as the dict finds them (Tensor.__hash__ is id(), but a Python call per
         # lookup: 1.2 ms per 1000 parameters within a step, against 0.3 ms for this).
-        by_id = {id(p): slots for p, slots in state.items()}
-        found = {gi: list(map(by_id.get, map(id, map(_SECOND, pairs)))) for gi, pairs in grouped.items()}
+        # (Traced by dynamo as the plain lookups.)
+        if torch.compiler.is_compiling():
+            found = {gi: [state.get(p) for _, p in pairs] for gi, pairs in grouped.items()}
+        else:
+            by_id = {id(p): slots for p, slots in state.items()}
+            found = {gi: list(map(by_id.get, map(id, map(_SECOND, pairs)))) for gi, pairs in grouped.items()}
         missing = {
             gi: [p for (_, p), slots in zip(pairs, found[gi], strict=True) if not slots]
             if not all(found[gi])
