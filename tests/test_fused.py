@@ -70,8 +70,11 @@ def _run(spec: OptimSpec, cid: str, dtype: torch.dtype, device: str = "cpu", **p
 def test_fused_matches_the_reference_loop(spec: OptimSpec, cid: str, dtype: torch.dtype, device: str):
     fused = _run(spec, cid, dtype, device, fused=True)
     reference = _run(spec, cid, dtype, device, foreach=False)
-    # Every kernel is called directly: none fell back to dynamo's per-call guards.
-    assert all(kernel.direct is not None for kernel in optim_base._FusedKernel._compiled.values())
+    # Every kernel is called directly: none fell back to dynamo's per-call guards. On CPU, each
+    # call goes to the one C++ function of the generated code, given the sizes of its rows.
+    kernels = optim_base._FusedKernel._compiled.values()
+    assert all(kernel.direct is not None for kernel in kernels)
+    assert device != "cpu" or all(kernel.alone is not None for kernel in kernels)
     # On CUDA every op rounds as eager CUDA's (see _triton_options) but Triton's pow.
     if spec.name in SQRT_FREE or (device == "cuda" and "learning_rate_power" not in spec.configs[cid]):
         for f, r in zip(fused, reference, strict=True):
@@ -124,6 +127,50 @@ def test_a_graph_whose_inputs_cannot_be_placed_runs_through_torch_compile(monkey
     assert all(kernel.direct is None for kernel in optim_base._FusedKernel._compiled.values())
     for f, r in zip(fused, _run(spec, cid, torch.float32, foreach=False), strict=True):
         assert torch.equal(f, r)
+
+
+def test_calls_through_the_generated_code_give_the_rows_of_its_kernel_alone(monkeypatch):
+    """Without the C++ function taken alone (the generated code calls it), the same numbers."""
+    spec = next(spec for spec in SPECS if spec.name == "MomentumOptimizer")
+    cid = next(iter(spec.configs))
+    alone = _run(spec, cid, torch.float32, fused=True)
+    monkeypatch.setattr(optim_base._FusedKernel, "_compiled", {})
+    monkeypatch.setattr(optim_base, "_kernel_alone", lambda *args: None)
+    through = _run(spec, cid, torch.float32, fused=True)
+    kernels = optim_base._FusedKernel._compiled.values()
+    assert kernels and all(kernel.alone is None and kernel.inner is not None for kernel in kernels)
+    for a, t, r in zip(alone, through, _run(spec, cid, torch.float32, foreach=False), strict=True):
+        assert torch.equal(a, r) and torch.equal(t, r)
+
+
+def test_the_kernel_is_taken_alone_only_where_it_is_all_the_generated_code_does(monkeypatch):
+    """The probe of the generated code refuses code that calls its C++ function twice, on a tensor
+    it was not given, or does more than call it, and leaves the code's module as it was."""
+    monkeypatch.setattr(optim_base._FusedKernel, "_compiled", {})
+    params = [torch.nn.Parameter(torch.randn(n)) for n in (5, 9, 13)]
+    opt = tgo.MomentumOptimizer(params, learning_rate=0.1, momentum=0.9, fused=True)
+    for p in params:
+        p.grad = torch.randn(p.shape)
+    opt.step()
+    (kernel,) = optim_base._FusedKernel._compiled.values()
+    function, layout = kernel.alone, kernel.call_layout
+    like = [params[0], params[0].grad, opt.state[params[0]]["momentum"]]
+    scalars = {name: torch.tensor(0.5) for kind, name in kernel.layout if kind == "scalar"}
+    # Where the generated code finds each of the function's arguments among its own.
+    positions = [kernel.layout.index(entry) for entry in layout]
+
+    def probe(body: str) -> Any:
+        namespace = {"kernel": function, "positions": positions}
+        exec(f"def call(args):\n    a = list(args)\n    args.clear()\n{body}", namespace)
+        found = optim_base._kernel_alone(kernel, namespace["call"], like, scalars)
+        assert namespace["kernel"] is function
+        return found
+
+    assert probe("    kernel(*[a[i] for i in positions])\n") == (function, layout)
+    assert probe("    kernel(*[a[i] for i in positions])\n    kernel(*[a[i] for i in positions])\n") is None
+    assert probe("    kernel(*[a[i].clone() if i == positions[0] else a[i] for i in positions])\n") is None
+    assert probe("    kernel(*[a[i] for i in positions])\n    a[positions[0]].add_(1)\n") is None
+    assert probe("    raise RuntimeError('not this time')\n") is None
 
 
 _CONV_SHAPES = [(8, 3, 3, 3), (4, 8, 3, 3), (8,), (2, 4, 3, 3, 3)]
