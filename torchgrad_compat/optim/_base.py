@@ -87,6 +87,12 @@ _GRAPHS_PER_PLAN = 4
 # True while Optimizer._apply runs: every row it hands the fused kernels has its parameter's
 # shape (step() and apply_gradients check gradients; slots are made and loaded so).
 _ROWS_FIT: contextvars.ContextVar[bool] = contextvars.ContextVar("_ROWS_FIT", default=False)
+# Set by Optimizer._apply around one group's update: the kept metadata that step()'s census found
+# the group's parameters and gradients (these lists) to have, with nothing run since that could
+# change them (see _FusedPlan._holds_as_last_found).
+_CENSUS_HELD: contextvars.ContextVar[tuple[_SameMeta, list[Tensor], list[Tensor]] | None] = (
+    contextvars.ContextVar("_CENSUS_HELD", default=None)
+)
 # Accepted numbers each Hyper remembers (a scheduler may produce a new lr at every step).
 _ACCEPTED_PER_HYPER = 1024
 # Chunk layouts whose scratch views an optimizer keeps (see Optimizer._scratch).
@@ -766,8 +772,10 @@ class Optimizer(torch.optim.Optimizer):
             with torch.enable_grad():
                 loss = closure()
         grouped: dict[int, list[tuple[Tensor, Tensor]]] = {}
+        lists: dict[int, tuple[list[Tensor], list[Tensor]]] = {}
         kinds: dict[int, tuple[torch.device, torch.dtype] | None] = {}
         shapes: dict[int, list[torch.Size]] = {}
+        census_of: dict[int, _SameMeta] = {}
         checked = self._grads_checked
         compiling = torch.compiler.is_compiling()
         census = not checked and not compiling
@@ -781,6 +789,7 @@ class Optimizer(torch.optim.Optimizer):
             if not grads:
                 continue
             grouped[gi] = list(zip(grads, params, strict=True))
+            lists[gi] = (params, grads)
             # torch checks shape, dtype and device when p.grad is assigned, but not when
             # p.grad.data is; a gradient that does not fit would fail halfway through the
             # update, or, in the fused kernels, be read past its end. One cheap pass covers
@@ -793,7 +802,9 @@ class Optimizer(torch.optim.Optimizer):
                 continue
             if census:
                 # (Read once: the check of the slots compares them with the last step's.)
-                shapes[gi], kind = self._census(gi, params, grads)
+                shapes[gi], kind, same = self._census(gi, params, grads)
+                if same is not None:
+                    census_of[gi] = same
             else:
                 kind = None
             if kind is None and not _grads_fit(grads, params):
@@ -805,13 +816,14 @@ class Optimizer(torch.optim.Optimizer):
             if _called_from_dcp_init():
                 self._create_slots(grouped)
             else:
-                self._apply(grouped, kinds, shapes)
+                self._apply(grouped, kinds, shapes, lists, census_of)
         return loss
 
     def _census(
         self, index: int, params: list[Tensor], grads: list[Tensor]
-    ) -> tuple[list[torch.Size], tuple[torch.device, torch.dtype] | None]:
-        """The shapes of a group's parameters and :func:`_shared_kind` of its pairs.
+    ) -> tuple[list[torch.Size], tuple[torch.device, torch.dtype] | None, _SameMeta | None]:
+        """The shapes of a group's parameters and :func:`_shared_kind` of its pairs, and the kept
+        metadata of both that they were found with (None where none is kept).
 
         Kept from the last step when every parameter and gradient has the metadata
         it had then (:class:`_SameMeta`): a training loop's do, step after step.
@@ -819,12 +831,12 @@ class Optimizer(torch.optim.Optimizer):
         kept = self.__dict__.setdefault("_census_kept", {})
         found = kept.get(index)
         if found is not None and found[0].holds([*params, *grads]):
-            return found[1], found[2]
+            return found[1], found[2], found[0]
         shape_list = list(map(_SHAPE_OF, params))
         kind = _shared_kind(grads, params, param_shapes=shape_list)
         same = _SameMeta.of([*params, *grads]) if kind is not None else None
         kept[index] = (same, shape_list, kind) if same is not None else None
-        return shape_list, kind
+        return shape_list, kind, same
 
     @contextmanager
     def _gradients_checked(self, kind: tuple[torch.device, torch.dtype] | None = None) -> Iterator[None]:
@@ -1330,13 +1342,18 @@ class Optimizer(torch.optim.Optimizer):
         grouped: dict[int, list[tuple[Tensor, Tensor]]],
         kinds: dict[int, tuple[torch.device, torch.dtype] | None] | None = None,
         shapes: dict[int, list[torch.Size]] | None = None,
+        lists: dict[int, tuple[list[Tensor], list[Tensor]]] | None = None,
+        census_of: dict[int, _SameMeta] | None = None,
     ) -> None:
         """Update each group from its checked ``(grad, param)`` pairs, then run ``_finish`` once per group.
 
         ``kinds``: per group, the one device and dtype that the caller found every pair
         to have (:func:`_shared_kind`), or None where it found none; groups it did not
         look at are looked at here. ``shapes``: per group, the shapes of its pairs'
-        parameters, where the caller has read them.
+        parameters, where the caller has read them. ``lists``: per group, its pairs'
+        parameters and gradients as two lists, where the caller has them.
+        ``census_of``: per group, the kept metadata that step()'s census found them to
+        have (see :meth:`_census`).
         """
         self._sync_aliases()
         cls = type(self).__name__
@@ -1351,7 +1368,10 @@ class Optimizer(torch.optim.Optimizer):
         found: dict[int, tuple[list[Tensor], tuple[torch.device, torch.dtype] | None]] = {}
         shapes = shapes or {}
         for gi, pairs in grouped.items():
-            grads, params = [g for g, _ in pairs], [p for _, p in pairs]
+            if lists is not None and gi in lists:
+                params, grads = lists[gi]
+            else:
+                grads, params = [g for g, _ in pairs], [p for _, p in pairs]
             # The usual case, read by `map` over the whole lists (0.28 ms per 1000 pairs, against
             # 0.43 ms for the loop below; nothing when the caller found it): one bucket, no sparse
             # gradient, no DTensor. Dynamo traces the loop into fewer graphs.
@@ -1391,6 +1411,14 @@ class Optimizer(torch.optim.Optimizer):
         slots_of = self._create_slots(grouped, evaluated)
         state = self.state
         has_slots = type(self)._init_slots is not Optimizer._init_slots
+        # Where nothing could have changed a parameter or gradient since step()'s census (no
+        # callable hyperparameter ran; the update is this package's own code), the fused plan
+        # need not check them again.
+        census_of = (
+            census_of
+            if census_of and _own_update(type(self)) and not _any_callable(self.param_groups, self._hypers)
+            else {}
+        )
         # (Not under the caller's torch.compile, where the rules run as the loop.)
         rows_fit = None if torch.compiler.is_compiling() else _ROWS_FIT.set(True)
         try:
@@ -1413,8 +1441,17 @@ class Optimizer(torch.optim.Optimizer):
                             slots = [state.get(p, {}) for p in params]
                         if sharded:
                             params, grads, slots = _local_shards(params, grads, slots)
-                        with _working_precision(params, grads, slots) as (ps, gs, ss):
-                            self._apply_dense(group, ps, gs, ss, non_slot, hyper)
+                        held = (
+                            _CENSUS_HELD.set((census_of[gi], params, grads))
+                            if gi in census_of and gi in in_pair_order and whole
+                            else None
+                        )
+                        try:
+                            with _working_precision(params, grads, slots) as (ps, gs, ss):
+                                self._apply_dense(group, ps, gs, ss, non_slot, hyper)
+                        finally:
+                            if held is not None:
+                                _CENSUS_HELD.reset(held)
                 for g, p in sparse.get(gi, []):
                     if self._coalesce_sparse:
                         g = g.coalesce()
@@ -1430,6 +1467,20 @@ class Optimizer(torch.optim.Optimizer):
         finally:
             if rows_fit is not None:
                 _ROWS_FIT.reset(rows_fit)
+
+
+@functools.cache
+def _own_update(cls: type) -> bool:
+    """Whether every class of ``cls``'s MRO below :class:`Optimizer` is this package's own (no
+    user subclass whose update or slot creation could replace a gradient)."""
+    mro = cls.__mro__
+    return all(c.__module__.startswith("torchgrad_compat.") for c in mro[: mro.index(Optimizer)])
+
+
+def _any_callable(groups: list[dict[str, Any]], hypers: tuple[Hyper | Flag, ...]) -> bool:
+    """Whether some group's hyperparameter is a callable, which :func:`_evaluate` calls."""
+    keys = [spec.key for spec in hypers if isinstance(spec, Hyper)]
+    return any(callable(v) and not isinstance(v, Tensor) for group in groups for v in map(group.get, keys))
 
 
 def _no_step_pre_hooks(optimizer: torch.optim.Optimizer) -> bool:
@@ -1921,6 +1972,10 @@ else:  # torch 2.4 takes one tensor a call
             torch.autograd.graph.increment_version(t)
 
 
+def _same_objects(a: list[Any], b: list[Any]) -> bool:
+    return len(a) == len(b) and all(map(operator.is_, a, b))
+
+
 def _same_arguments(seen: list[Any], given: list[Any]) -> bool:
     return len(seen) == len(given) and all(
         a is b or (type(a) is int and type(b) is int and a == b) for a, b in zip(seen, given, strict=True)
@@ -2114,6 +2169,9 @@ class _FusedPlan:
         # The metadata of every tensor of the lists the plan was last found to hold for, and
         # whether that was within step() (see _holds_as_last_found).
         self.found_for: tuple[_SameMeta | None, bool] = (None, True)
+        # Where step()'s census had checked the parameters and gradients then: its kept
+        # metadata of them, and that of the slots alone (see _CENSUS_HELD).
+        self.found_with: tuple[_SameMeta, _SameMeta | None] | None = None
 
     def call(self, kernel: _FusedKernel, grads: list[Tensor], scalars: dict[str, Any]) -> None:
         """Run ``kernel`` over every chunk: one step of the update for the kernel's rows."""
@@ -2174,7 +2232,14 @@ class _FusedPlan:
         key = next((lst[0] for lst in lists[2:] if lst), lists[0][0])
         plan = cls._kept.get(key)
         in_step = _ROWS_FIT.get()
-        if plan is not None and plan.single is single and plan._holds_as_last_found(lists, kept, in_step):
+        held = _CENSUS_HELD.get()
+        if held is not None and not (_same_objects(lists[0], held[1]) and _same_objects(lists[1], held[2])):
+            held = None
+        if (
+            plan is not None
+            and plan.single is single
+            and plan._holds_as_last_found(lists, kept, in_step, held)
+        ):
             return plan
         # Addresses and sizes of parameters and slots, layout of every tensor (gradients too).
         signature = (
@@ -2209,10 +2274,16 @@ class _FusedPlan:
                 _refuse_inference_rows(lists)
             plan = cls._kept[key] = cls(single, lists, signature)
         plan.found_for = (_SameMeta.of([t for lst in lists for t in lst]), in_step)
+        slots = [t for lst in lists[2:] for t in lst]
+        plan.found_with = (held[0], _SameMeta.of(slots) if slots else None) if held is not None else None
         return plan
 
     def _holds_as_last_found(
-        self, lists: tuple[list[Tensor], ...], kept: list[list[Tensor]], in_step: bool
+        self,
+        lists: tuple[list[Tensor], ...],
+        kept: list[list[Tensor]],
+        in_step: bool,
+        held: tuple[_SameMeta, list[Tensor], list[Tensor]] | None,
     ) -> bool:
         """Whether every tensor of ``lists`` is as when :meth:`of` last found this plan to hold,
         without reading each one's properties in Python (:class:`_SameMeta`).
@@ -2220,18 +2291,24 @@ class _FusedPlan:
         The gradients included, so that they passed that step's checks of them; parameters and
         slots at the same addresses, and the plan's aliases of them where they were. A plan found
         within ``step()`` is not taken for a functional call, which checks rows step() had
-        already checked.
+        already checked. ``held``: step()'s census found the parameters and gradients to have
+        the metadata it kept (see :data:`_CENSUS_HELD`); if it kept that when the plan was last
+        found, only the slots are checked again.
         """
         same, found_in_step = self.found_for
-        return (
-            same is not None
-            and (in_step or not found_in_step)
-            and self.chunk_size == FUSED_CHUNK
-            and self.signature[3] == torch.is_inference_mode_enabled()
-            and same.holds([t for lst in lists for t in lst])
-            and [list(map(Tensor.data_ptr, lst)) for lst in kept] == self.signature[0]
-            and list(map(Tensor.data_ptr, self.aliases)) == self.alias_addresses
-        )
+        if same is None or not (in_step or not found_in_step) or self.chunk_size != FUSED_CHUNK:
+            return False
+        if self.signature[3] != torch.is_inference_mode_enabled():
+            return False
+        if held is not None and self.found_with is not None and self.found_with[0] is held[0]:
+            slots = self.found_with[1]
+            if slots is not None and not slots.holds([t for lst in lists[2:] for t in lst]):
+                return False
+        elif not same.holds([t for lst in lists for t in lst]):
+            return False
+        return [list(map(Tensor.data_ptr, lst)) for lst in kept] == self.signature[0] and list(
+            map(Tensor.data_ptr, self.aliases)
+        ) == self.alias_addresses
 
 
 class _StepGraph:

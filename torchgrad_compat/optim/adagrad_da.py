@@ -132,13 +132,13 @@ class AdagradDAOptimizer(Optimizer):
         }
         super().__init__(params, defaults)
 
-    def _apply(self, grouped, kinds=None, shapes=None):
+    def _apply(self, grouped, kinds=None, shapes=None, lists=None, census_of=None):
         # The caller's global_step is read again before every step where that is cheap (on the
         # CPU; an accelerator's would stall it), as hyperparameters are.
         step = self._global_step
         if step is not None and step.device.type == "cpu" and not torch.compiler.is_compiling():
             _check_step_count(step)
-        super()._apply(grouped, kinds, shapes)
+        super()._apply(grouped, kinds, shapes, lists, census_of)
 
     def _init_slots(self, group, p):
         return {
