@@ -196,6 +196,22 @@ def test_a_training_loop_step_checks_each_parameter_and_gradient_once(monkeypatc
     assert checked == [2 * len(params), 3 * len(params)]
 
 
+@pytest.mark.parametrize("path", [{"fused": True}, {"foreach": False}], ids=["fused", "loop"])
+def test_a_loaded_state_lets_go_of_the_slots_it_replaces(path: dict[str, bool]):
+    """What a step keeps to find the slots again holds no slot of an earlier state once another
+    is loaded."""
+    params = [torch.nn.Parameter(torch.randn(n)) for n in (5, 9)]
+    opt = tgo.MomentumOptimizer(params, learning_rate=0.1, momentum=0.9, **path)
+    for _ in range(2):
+        for p in params:
+            p.grad = torch.randn(p.shape)
+        opt.step()
+    replaced = [weakref.ref(opt.state[p]["momentum"]) for p in params]
+    opt.load_state_dict(copy.deepcopy(opt.state_dict()))
+    gc.collect()
+    assert all(ref() is None for ref in replaced)
+
+
 _CONV_SHAPES = [(8, 3, 3, 3), (4, 8, 3, 3), (8,), (2, 4, 3, 3, 3)]
 
 
@@ -1096,6 +1112,7 @@ def test_a_step_after_its_tensors_changed_is_checked_as_a_first_step(
         pytest.skip("GradientDescent keeps no slots")
     kept = _changed_after_two_steps(opt_of, change)
     monkeypatch.setattr(optim_base._SameMeta, "of", classmethod(lambda cls, tensors: None))
+    monkeypatch.setattr(optim_base.Optimizer, "_slot_dicts_as_kept", lambda self, grouped: None)
     checked_in_full = _changed_after_two_steps(opt_of, change)
     assert kept[0] == checked_in_full[0]
     # (Slots keep their variable's dtype and shape: a converted or reshaped variable is refused.)
