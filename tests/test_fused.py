@@ -12,6 +12,7 @@ import contextlib
 import copy
 import gc
 import os
+import random
 import re
 import subprocess
 import sys
@@ -210,6 +211,99 @@ def test_a_loaded_state_lets_go_of_the_slots_it_replaces(path: dict[str, bool]):
     opt.load_state_dict(copy.deepcopy(opt.state_dict()))
     gc.collect()
     assert all(ref() is None for ref in replaced)
+
+
+_BETWEEN_STEPS = [
+    "new gradients",
+    "a gradient None",
+    "a parameter moved",
+    "a parameter reshaped",
+    "a gradient moved",
+    "a slot replaced",
+    "a slot moved",
+    "slots replaced",
+    "slots deleted",
+    "state loaded",
+    "lr changed",
+    "lr callable",
+    "group added",
+    "gradients zeroed in place",
+]
+
+
+def _steps_with_random_changes(seed: int, **path: Any) -> tuple[list[str], list[torch.Tensor]]:
+    """Eight Momentum steps with a random change before each of the last six: what each step
+    did, and every parameter and slot after them."""
+    rng = random.Random(seed)
+    gen = torch.Generator().manual_seed(seed)
+    shapes = [
+        (rng.randint(2, 9),) if rng.random() < 0.6 else (rng.randint(2, 4), rng.randint(2, 4))
+        for _ in range(7)
+    ]
+    params = [torch.nn.Parameter(torch.randn(s, generator=gen)) for s in shapes]
+    opt = tgo.MomentumOptimizer(params[:-1], learning_rate=0.1, momentum=0.9, **path)
+    done: list[str] = []
+    for step in range(8):
+        change = rng.choice(_BETWEEN_STEPS) if step >= 2 else "new gradients"
+        for p in params:
+            g = torch.randn(p.shape, generator=gen)
+            if p.grad is None or change == "new gradients" or rng.random() < 0.5:
+                p.grad = g
+            else:
+                p.grad.copy_(g)
+        p = params[rng.randrange(len(params) - 1)]
+        state = opt.state.get(p)
+        if change == "a gradient None":
+            p.grad = None
+        elif change == "a parameter moved":
+            p.data = p.data.clone()
+        elif change == "a parameter reshaped" and p.dim() == 1 and p.numel() % 2 == 0:
+            p.data, p.grad = p.data.view(2, -1), p.grad.view(2, -1)
+        elif change == "a gradient moved":
+            p.grad.data = p.grad.data.clone()
+        elif change == "a slot replaced" and state:
+            state["momentum"] = state["momentum"] * 0.5
+        elif change == "a slot moved" and state:
+            state["momentum"].data = state["momentum"].data - 1
+        elif change == "slots replaced" and state:
+            opt.state[p] = {"momentum": state["momentum"] + 1}
+        elif change == "slots deleted" and state:
+            del opt.state[p]
+        elif change == "state loaded":
+            opt.load_state_dict(copy.deepcopy(opt.state_dict()))
+        elif change == "lr changed":
+            opt.param_groups[0]["lr"] = rng.uniform(0.05, 0.15)
+        elif change == "lr callable":
+            opt.param_groups[0]["lr"] = lambda: 0.07
+        elif change == "group added" and len(opt.param_groups) == 1:
+            opt.add_param_group({"params": [params[-1]], "lr": 0.2})
+        elif change == "gradients zeroed in place":
+            opt.zero_grad(set_to_none=False)
+            for q in params:
+                if q.grad is not None:
+                    q.grad.add_(1.0)
+        try:
+            opt.step()
+        except (ValueError, TypeError, RuntimeError) as error:
+            return [*done, f"{change}: {type(error).__name__}: {error}"], []
+        done.append(change)
+    return done, [q.detach().clone() for q in params] + [
+        s["momentum"].clone() for q in params for s in [opt.state.get(q, {})] if "momentum" in s
+    ]
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_random_changes_between_steps_end_as_the_loop_with_nothing_kept(monkeypatch, seed: int):
+    """Whatever a training loop changes between steps, the fused steps, with everything they keep
+    from one step to the next, end bitwise as the reference loop that keeps nothing."""
+    fused = _steps_with_random_changes(seed, fused=True)
+    monkeypatch.setattr(optim_base._SameMeta, "of", classmethod(lambda cls, tensors: None))
+    monkeypatch.setattr(optim_base.Optimizer, "_slot_dicts_as_kept", lambda self, grouped: None)
+    loop = _steps_with_random_changes(seed, foreach=False)
+    assert fused[0] == loop[0]
+    assert len(fused[1]) == len(loop[1])
+    for a, b in zip(fused[1], loop[1], strict=True):
+        assert a.shape == b.shape and torch.equal(a, b)
 
 
 _CONV_SHAPES = [(8, 3, 3, 3), (4, 8, 3, 3), (8,), (2, 4, 3, 3, 3)]

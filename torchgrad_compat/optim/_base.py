@@ -1716,7 +1716,10 @@ class _FusedKernel:
     contiguous, of at least two elements, and of the dtypes, device and
     options of this kernel's key (see :meth:`of`). Should the graph take an
     input that cannot be placed so (a torch release that lifts something
-    else), every call goes through ``torch.compile`` as usual.
+    else), every call goes through ``torch.compile`` as usual. Below that
+    function sits Inductor's generated Python (:func:`_generated_call`), and on
+    CPU below that one C++ function, which calls go to where they can
+    (:func:`_kernel_alone`).
     """
 
     _compiled: ClassVar[dict[Any, _FusedKernel]] = {}
@@ -2343,9 +2346,11 @@ class _FusedPlan:
                 return False
         elif not same.holds([t for lst in lists for t in lst]):
             return False
-        return [list(map(Tensor.data_ptr, lst)) for lst in kept] == self.signature[0] and list(
-            map(Tensor.data_ptr, self.aliases)
-        ) == self.alias_addresses
+        addresses = [list(map(Tensor.data_ptr, lst)) for lst in kept]
+        return (
+            addresses == self.signature[0]
+            and list(map(Tensor.data_ptr, self.aliases)) == self.alias_addresses
+        )
 
 
 class _StepGraph:
