@@ -2075,9 +2075,10 @@ class _FusedChunk:
         self.channels_last = channels_last
         self.sizes = [t.numel() for t in lists[0]]
         # Per kernel: the kept argument list, where this step's gradients go in it (contiguous
-        # ones, then channels-last ones) and where its scalars go.
+        # ones, then channels-last ones), where its scalars go, and whether the gradients go in
+        # as they are (a call of the C++ function alone) rather than flat.
         self._arguments: dict[
-            int, tuple[list[Any], list[tuple[int, int]], list[tuple[int, int]], list[tuple[int, str]]]
+            int, tuple[list[Any], list[tuple[int, int]], list[tuple[int, int]], list[tuple[int, str]], bool]
         ] = {}
 
     def lists(self, grads: list[Tensor]) -> list[list[Tensor]]:
@@ -2111,17 +2112,35 @@ class _FusedChunk:
                     template.append(None)
                 else:
                     template.append(self.sizes[where])
-            kept = self._arguments[id(kernel)] = (template, grad_at, channels_last_grad_at, scalar_at)
-        template, grad_at, channels_last_grad_at, scalar_at = kept
+            if getattr(kernel, "alone", None) is not None:
+                # The C++ function reads only where each gradient starts (its size comes from the
+                # chunk): a gradient laid out as its row's parameter goes in as it is (2 µs a
+                # tensor saved where a flat view would be made).
+                grad_at, channels_last_grad_at = grad_at + channels_last_grad_at, []
+                as_they_are = True
+            else:
+                as_they_are = False
+            kept = self._arguments[id(kernel)] = (
+                template,
+                grad_at,
+                channels_last_grad_at,
+                scalar_at,
+                as_they_are,
+            )
+        template, grad_at, channels_last_grad_at, scalar_at, as_they_are = kept
         arguments = template.copy()
-        for position, i in grad_at:
-            g = grads[i]
-            # These rows are contiguous (see _FusedPlan): ravel is a view, and a 1-D row needs none.
-            arguments[position] = g if g.dim() == 1 else g.ravel()
-        for position, i in channels_last_grad_at:
-            # In memory order, as the row's parameter and slots (ravel would copy in logical order).
-            g = grads[i]
-            arguments[position] = g.as_strided((g.numel(),), (1,))
+        if as_they_are:
+            for position, i in grad_at:
+                arguments[position] = grads[i]
+        else:
+            for position, i in grad_at:
+                g = grads[i]
+                # These rows are contiguous (see _FusedPlan): ravel is a view, and a 1-D row needs none.
+                arguments[position] = g if g.dim() == 1 else g.ravel()
+            for position, i in channels_last_grad_at:
+                # In memory order, as the row's parameter and slots (ravel would copy in logical order).
+                g = grads[i]
+                arguments[position] = g.as_strided((g.numel(),), (1,))
         for position, name in scalar_at:
             arguments[position] = scalars[name]
         return arguments
