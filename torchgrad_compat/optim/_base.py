@@ -2324,7 +2324,7 @@ class _FusedPlan:
             or plan.single is not single
             or plan.chunk_size != FUSED_CHUNK
             or plan.signature != signature
-            or list(map(Tensor.data_ptr, plan.aliases)) != plan.alias_addresses
+            or not plan._aliases_in_place()
         ):
             _check_rows_fit("parameter", lists[0], signature[1][0])
             for lst in lists[2:]:
@@ -2365,11 +2365,14 @@ class _FusedPlan:
                 return False
         elif not same.holds([t for lst in lists for t in lst]):
             return False
-        addresses = [list(map(Tensor.data_ptr, lst)) for lst in kept]
-        return (
-            addresses == self.signature[0]
-            and list(map(Tensor.data_ptr, self.aliases)) == self.alias_addresses
-        )
+        return [list(map(Tensor.data_ptr, lst)) for lst in kept] == self.signature[
+            0
+        ] and self._aliases_in_place()
+
+    def _aliases_in_place(self) -> bool:
+        """Whether the plan's aliases are where they were made (memory freed under a tensor moves
+        its alias to null)."""
+        return list(map(Tensor.data_ptr, self.aliases)) == self.alias_addresses
 
 
 class _StepGraph:
