@@ -1144,10 +1144,12 @@ class Optimizer(torch.optim.Optimizer):
         # lookup: 1.2 ms per 1000 parameters within a step, against 0.3 ms for this).
         # (Traced by dynamo as the plain lookups.)
         compiling = torch.compiler.is_compiling()
+        reused = False
         if compiling:
             found = {gi: [state.get(p) for _, p in pairs] for gi, pairs in grouped.items()}
         else:
             found = self._slot_dicts_as_kept(grouped)
+            reused = found is not None
             if found is None:
                 by_id = {id(p): slots for p, slots in state.items()}
                 found = {
@@ -1177,7 +1179,8 @@ class Optimizer(torch.optim.Optimizer):
         for gi, params in missing.items():
             if params:
                 found[gi] = [state.get(p, {}) for _, p in grouped[gi]]
-        if not compiling:
+        if not compiling and not (reused and not any(missing.values())):
+            # (Taken from what was kept, with no slot made: what is kept is what it was.)
             params_of = {gi: list(map(_SECOND, pairs)) for gi, pairs in grouped.items()}
             self.__dict__["_slot_dicts_kept"] = (list(state), list(state.values()), params_of, found)
         return found
