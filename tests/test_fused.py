@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import gc
+import math
 import os
 import random
 import re
@@ -213,6 +214,65 @@ def test_a_loaded_state_lets_go_of_the_slots_it_replaces(path: dict[str, bool]):
     assert all(ref() is None for ref in replaced)
 
 
+def _moved_between_steps(**path: Any) -> tuple[list[torch.Tensor], list[torch.Tensor], Any]:
+    """Three Momentum steps; before the third, a parameter and a slot are moved to new memory
+    through ``.data``. Returns the parameters and slots, the memory they left, and the plan kept
+    after the second step and after the third (None off the fused path)."""
+    gen = torch.Generator().manual_seed(3)
+    params = [torch.nn.Parameter(torch.randn(n, generator=gen)) for n in (5, 9, 13, 6, 7)]
+    opt = tgo.MomentumOptimizer(params, learning_rate=0.1, momentum=0.9, **path)
+    plans, left = [], []
+    for step in range(3):
+        for p in params:
+            p.grad = torch.randn(p.shape, generator=gen)
+        if step == 2:
+            slot = opt.state[params[3]]["momentum"]
+            left = [params[1].data, slot.data]
+            params[1].data, slot.data = params[1].data.clone(), slot.data.clone()
+            left = [t.clone() for t in left] + left
+        opt.step()
+        plans.append(optim_base._FusedPlan._kept.get(opt.state[params[0]]["momentum"]))
+    return [p.detach() for p in params] + [opt.state[p]["momentum"] for p in params], left, plans[1:]
+
+
+def test_memory_moved_under_a_tensor_is_updated_where_it_is_now_by_the_same_plan():
+    """On CPU each kernel call takes this step's tensors as they are: the kept plan holds none of
+    them and depends on their sizes and layouts alone, so a parameter or slot moved to new memory
+    is updated there, by the same plan, with the loop's numbers, and the memory it left is not
+    written."""
+    fused, left, plans = _moved_between_steps(fused=True)
+    loop, _, _ = _moved_between_steps(foreach=False)
+    assert plans[0] is not None and plans[0] is plans[1]
+    assert plans[0].as_they_are and not plans[0].aliases
+    assert all(torch.equal(f, r) for f, r in zip(fused, loop, strict=True))
+    before, after = left[:2], left[2:]
+    assert all(torch.equal(b, a) for b, a in zip(before, after, strict=True))
+
+
+@pytest.mark.parametrize(("spec", "cid"), ALL_CONFIGS, ids=ALL_IDS)
+def test_what_the_fillers_hold_does_not_reach_the_rows(spec: OptimSpec, cid: str):
+    """The tensors that fill up a last chunk are never zeroed again: whatever earlier calls left
+    in them (NaN, infinities) changes nothing of the rows."""
+    results = []
+    for poison in (False, True):
+        gen = torch.Generator().manual_seed(0)
+        params = [torch.nn.Parameter(torch.randn(s, generator=gen)) for s in ((5,), (9,), (3, 4))]
+        opt = spec.make(params, cid, fused=True)
+        for _ in range(STEPS):
+            if poison:
+                for lists in optim_base._FUSED_FILLERS.values():
+                    for fillers in lists:
+                        for i, t in enumerate(fillers):
+                            t.fill_((math.nan, math.inf, -math.inf)[i % 3])
+            for p in params:
+                p.grad = torch.randn(p.shape, generator=gen)
+            opt.step()
+        results.append(
+            [p.detach().clone() for p in params] + [s.clone() for p in params for s in opt.state[p].values()]
+        )
+    assert all(torch.equal(a, b) for a, b in zip(*results, strict=True))
+
+
 _BETWEEN_STEPS = [
     "new gradients",
     "a gradient None",
@@ -333,10 +393,9 @@ def test_channels_last_rows_go_through_the_kernels_in_memory_order(spec: OptimSp
     out contiguously, and of the loop (bitwise where no square root is taken)."""
     params, opt = _run_conv(spec, cid, True, fused=True)
     assert params[0].grad.is_contiguous(memory_format=torch.channels_last)
-    plan = next(
-        plan for plan in optim_base._FusedPlan._kept.values() if params[0].data_ptr() in plan.alias_addresses
-    )
-    assert not plan.loop_rows
+    first_slot = next(iter(opt.state[params[0]].values()), params[0])
+    plan = optim_base._FusedPlan._kept[first_slot]
+    assert plan.chunks and not plan.loop_rows
     fused = [p.detach().clone() for p in params] + [s.clone() for p in params for s in opt.state[p].values()]
     contiguous_params, contiguous_opt = _run_conv(spec, cid, False, fused=True)
     loop_params, loop_opt = _run_conv(spec, cid, True, foreach=False)
@@ -643,9 +702,12 @@ def test_each_list_is_filled_up_in_its_own_dtype():
             adam(params, [torch.ones(40)] * 5, m, v, foreach=False, fused=fused, **scalars)
         runs.append(params + m + v)
         if fused:
-            for chunk in optim_base._FusedPlan._kept[m[0]].chunks:
-                for rows, like in zip(chunk.flat, (params, None, m, v), strict=True):
-                    assert all(t.dtype == like[0].dtype for t in rows)
+            filled = optim_base._FusedPlan._kept[m[0]].filled
+            missing = -5 % optim_base.FUSED_CHUNK
+            assert sorted(filled) == [0, 1, 2, 3] and all(len(f) == missing for f in filled.values())
+            for j, like in enumerate((params, None, m, v)):
+                if like is not None:
+                    assert all(t.dtype == like[0].dtype for t in filled[j])
     assert all(torch.equal(f, r) for f, r in zip(*runs, strict=True))
 
 

@@ -1666,20 +1666,19 @@ def _run_fused(single: Callable[..., None], *lists: list[Tensor], **scalars: Any
         return
     if not lists[0]:
         return
-    plan = _FusedPlan.of(single, lists)
+    scalars = _distinct_scalars(scalars)
+    kernel = _FusedKernel.of(single, lists, scalars)
+    plan = _FusedPlan.of(single, lists, kernel, scalars)
     if plan.loop_rows:
         single(*[[lst[i] for i in plan.loop_rows] if lst else [] for lst in lists], **scalars)
     if not plan.chunks:
         return
-    scalars = _distinct_scalars(scalars)
-    kernel = _FusedKernel.of(single, lists, scalars)
-    grads = lists[1]
     if plan.on_cuda and kernel.direct is not None:
-        graph = plan.step_graph(kernel, grads, scalars)
+        graph = plan.step_graph(kernel, lists, scalars)
         if graph is not None:
             graph.replay(scalars)
             return
-    plan.call(kernel, grads, scalars)
+    plan.call(kernel, lists, scalars)
 
 
 def _distinct_scalars(scalars: dict[str, Any]) -> dict[str, Any]:
@@ -1737,7 +1736,7 @@ class _FusedKernel:
         # On CPU, the one C++ function ``inner`` calls, taken alone (see :func:`_kernel_alone`).
         self.alone: Callable[..., Any] | None = None
         # Where each argument of what a call goes to (``alone``, ``inner`` or ``direct``) comes
-        # from, as ``layout`` says it (see :meth:`_FusedChunk.arguments`).
+        # from, as ``layout`` says it (see :meth:`_FusedPlan.call`).
         self.call_layout: list[tuple[str, Any]] | None = None
         self._captured: tuple[torch.fx.GraphModule, list[Any], Callable[..., Any]] | None = None
         self._tried = False
@@ -1779,19 +1778,12 @@ class _FusedKernel:
         self._captured = (gm, list(example_inputs), compiled)
         return compiled
 
-    def __call__(self, chunk: _FusedChunk, grads: list[Tensor], scalars: dict[str, Any]) -> None:
+    def ready(self, lists: tuple[list[Tensor], ...], scalars: dict[str, Any]) -> None:
+        """Compile, if not tried yet, for lists of the dtypes and device of ``lists``."""
         if self.direct is None and not self._tried:
-            self._compile(chunk.lists(grads), scalars)
-        if self.alone is not None:
-            self.alone(*chunk.arguments(self, grads, scalars))
-        elif self.inner is not None:
-            self.inner(chunk.arguments(self, grads, scalars))
-        elif self.direct is not None:
-            self.direct(*chunk.arguments(self, grads, scalars))
-        else:
-            self._through_dynamo_patched(chunk.lists(grads), scalars)
+            self._compile(lists, scalars)
 
-    def _compile(self, lists: list[list[Tensor]], scalars: dict[str, Any]) -> None:
+    def _compile(self, lists: Sequence[list[Tensor]], scalars: dict[str, Any]) -> None:
         """Compile on rows of zeros shaped as ``_FUSED_SIZE_HINT`` (the user's tensors are not touched).
 
         Inductor's C++ makes a loop OpenMP-parallel only if the sizes it
@@ -1992,10 +1984,15 @@ def _probe_rows(like: list[Tensor | None]) -> list[list[Tensor]]:
 def _probe_arguments(
     layout: list[tuple[str, Any]], lists: list[list[Tensor]], scalars: dict[str, Any]
 ) -> list[Any]:
-    """Arguments placed as ``layout`` says, made as a step makes them (a chunk of all of ``lists``'s
-    rows; the gradients are list 1)."""
-    chunk = _FusedChunk(list(range(FUSED_CHUNK)), [lst if j != 1 else [] for j, lst in enumerate(lists)], [])
-    return chunk.arguments(types.SimpleNamespace(call_layout=layout), lists[1], scalars)
+    """Arguments placed as ``layout`` says, for a chunk of all of ``lists``'s rows."""
+    return [
+        lists[where[0]][where[1]]
+        if kind == "row"
+        else scalars[where]
+        if kind == "scalar"
+        else lists[0][where].numel()
+        for kind, where in layout
+    ]
 
 
 def _same_rows(rows: list[list[Tensor]], copies: list[list[Tensor]]) -> bool:
@@ -2063,121 +2060,54 @@ def _placeholder_layout(
     return layout
 
 
-class _FusedChunk:
-    """One call's worth of a plan: its rows, the flat aliases of all but the gradients, and their sizes."""
-
-    def __init__(
-        self,
-        rows: list[int],
-        lists: list[list[Tensor]],
-        grad_fillers: list[Tensor],
-        channels_last: frozenset[int] = frozenset(),
-    ):
-        self.rows, self.flat, self.grad_fillers = rows, lists, grad_fillers
-        # The rows (indices into the bucket) whose tensors are dense in a channels-last format.
-        self.channels_last = channels_last
-        self.sizes = [t.numel() for t in lists[0]]
-        # Per kernel: the kept argument list, where this step's gradients go in it (contiguous
-        # ones, then channels-last ones), where its scalars go, and whether the gradients go in
-        # as they are (a call of the C++ function alone) rather than flat.
-        self._arguments: dict[
-            int, tuple[list[Any], list[tuple[int, int]], list[tuple[int, int]], list[tuple[int, str]], bool]
-        ] = {}
-
-    def lists(self, grads: list[Tensor]) -> list[list[Tensor]]:
-        """The chunk's lists, with this step's gradients flattened in."""
-        flat_grads = [_flat(grads[i]) for i in self.rows] + self.grad_fillers
-        return [flat_grads if j == 1 else lst for j, lst in enumerate(self.flat)]
-
-    def arguments(self, kernel: _FusedKernel, grads: list[Tensor], scalars: dict[str, Any]) -> list[Any]:
-        """The inputs of ``kernel``'s compiled function for this chunk, in the graph's order."""
-        kept = self._arguments.get(id(kernel))
-        if kept is None:
-            template: list[Any] = []
-            grad_at: list[tuple[int, int]] = []
-            channels_last_grad_at: list[tuple[int, int]] = []
-            scalar_at: list[tuple[int, str]] = []
-            real = len(self.rows)
-            for position, (kind, where) in enumerate(kernel.call_layout or ()):
-                if kind == "row":
-                    j, i = where
-                    if j != 1:
-                        template.append(self.flat[j][i])
-                    elif i < real:
-                        row = self.rows[i]
-                        at = channels_last_grad_at if row in self.channels_last else grad_at
-                        at.append((position, row))
-                        template.append(None)
-                    else:
-                        template.append(self.grad_fillers[i - real])
-                elif kind == "scalar":
-                    scalar_at.append((position, where))
-                    template.append(None)
-                else:
-                    template.append(self.sizes[where])
-            if getattr(kernel, "alone", None) is not None:
-                # The C++ function reads only where each gradient starts (its size comes from the
-                # chunk): a gradient laid out as its row's parameter goes in as it is (2 µs a
-                # tensor saved where a flat view would be made).
-                grad_at, channels_last_grad_at = grad_at + channels_last_grad_at, []
-                as_they_are = True
-            else:
-                as_they_are = False
-            kept = self._arguments[id(kernel)] = (
-                template,
-                grad_at,
-                channels_last_grad_at,
-                scalar_at,
-                as_they_are,
-            )
-        template, grad_at, channels_last_grad_at, scalar_at, as_they_are = kept
-        arguments = template.copy()
-        if as_they_are:
-            for position, i in grad_at:
-                arguments[position] = grads[i]
-        else:
-            for position, i in grad_at:
-                g = grads[i]
-                # These rows are contiguous (see _FusedPlan): ravel is a view, and a 1-D row needs none.
-                arguments[position] = g if g.dim() == 1 else g.ravel()
-            for position, i in channels_last_grad_at:
-                # In memory order, as the row's parameter and slots (ravel would copy in logical order).
-                g = grads[i]
-                arguments[position] = g.as_strided((g.numel(),), (1,))
-        for position, name in scalar_at:
-            arguments[position] = scalars[name]
-        return arguments
-
-
 class _FusedPlan:
-    """How ``_run_fused`` splits one bucket's lists into kernel chunks, and their flat aliases, kept.
+    """How ``_run_fused`` splits one bucket's lists into kernel chunks, kept between steps.
 
-    Flattening a tensor (``view(-1).detach()``: an alias that is not a view,
-    because the graph would guard on a view's base) costs about as much host
-    time as a kernel call spends per tensor, and parameters and slots are the
-    same memory every step. A plan holds their flat aliases and the
-    partition between kernel and loop, and is used again while every
-    parameter and slot has the same ``data_ptr`` and size, every tensor
-    the same layout (see :func:`_layouts`) as when it was made, and every alias is where it
-    was (memory freed under it, by ``untyped_storage().resize_(0)``, is not). Holding the aliases keeps that
-    memory allocated, so a tensor at the same ``data_ptr`` and size is the
-    same bytes, whatever object carries it (a loaded checkpoint's slots or
-    ``p.data = ...`` have other addresses, and get a new plan). Gradients
-    are flattened every step: holding last step's would keep their memory
-    allocated while the next backward makes new ones.
+    A plan partitions the rows between the kernels and the loop, groups the
+    kernel rows into chunks of ``FUSED_CHUNK`` (the last one filled up with kept
+    tensors), and keeps, per kernel, where each argument of each chunk's call is
+    taken from (see :meth:`call`). How the rows reach the kernel depends on it:
 
-    A plan lives as long as the tensor it is kept under: the bucket's first
-    slot (the optimizer's own: a plan goes with its optimizer or a loaded
-    state), or, for rules without slots, its first parameter (that plan
-    holds only the bucket's parameters). Memory a plan holds that its
-    tensors no longer use (after ``p.data = ...``) is let go at the next
-    fused step over that bucket.
+    - On CPU the call goes to the one C++ function of the generated code (see
+      :func:`_kernel_alone`), which reads where each row starts and takes the
+      sizes from the chunk: every tensor goes in as it is, this step's. Such a
+      plan holds none of the user's tensors and depends on their metadata alone
+      (sizes, layouts, dtypes): memory moved under a tensor (``p.data = ...``, a
+      loaded checkpoint's slots) is where the next call reads and writes.
+    - Otherwise (CUDA, or a graph whose C++ function cannot be called alone)
+      the kernel takes flat rows. Flattening a tensor (``view(-1).detach()``:
+      an alias that is not a view, because the graph would guard on a view's
+      base) costs about as much host time as a call spends per tensor, so the
+      plan holds flat aliases of the parameters and slots, and is used again
+      while every parameter and slot has the same ``data_ptr`` and every alias
+      is where it was (memory freed under it, by
+      ``untyped_storage().resize_(0)``, is not). Holding the aliases keeps that
+      memory allocated, so a tensor at the same ``data_ptr`` and size is the
+      same bytes, whatever object carries it. So does a plan with rows in the
+      loop, whose partition depends on which rows share memory. Gradients are
+      flattened every step: holding last step's would keep their memory
+      allocated while the next backward makes new ones.
+
+    Either way a plan is used again only while every tensor has the size and
+    layout (see :func:`_layouts`) it had when the plan was made. It lives as
+    long as the tensor it is kept under: the bucket's first slot (the
+    optimizer's own: a plan goes with its optimizer or a loaded state), or, for
+    rules without slots, its first parameter. Memory a plan holds that its
+    tensors no longer use (after ``p.data = ...``) is let go at the next fused
+    step over that bucket.
     """
 
     # Weak keys compared by identity (WeakKeyDictionary would compare tensors with ==).
     _kept: ClassVar[WeakIdKeyDictionary] = WeakIdKeyDictionary()
 
-    def __init__(self, single: Callable[..., None], lists: tuple[list[Tensor], ...], signature: Any):
+    def __init__(
+        self,
+        single: Callable[..., None],
+        lists: tuple[list[Tensor], ...],
+        signature: Any,
+        kernel: _FusedKernel,
+        scalars: dict[str, Any],
+    ):
         self.single, self.signature, self.chunk_size = single, signature, FUSED_CHUNK
         params = lists[0]
         layouts = zip(*signature[2], strict=True)  # per row, of each non-empty list (see _layouts)
@@ -2195,35 +2125,39 @@ class _FusedPlan:
                 fits[i] = False
         self.loop_rows = [i for i, f in enumerate(fits) if not f]
         kernel_rows = [i for i, f in enumerate(fits) if f]
-        # The last chunk is filled up with kept tensors, one list of them per non-empty list.
-        missing = -len(kernel_rows) % FUSED_CHUNK
-        fill = _fillers_by_list(lists, missing)
-        self.fillers = [t for f in fill.values() for t in f]
-        self.has_fillers = bool(missing)
-        channels_last = frozenset(i for i in kernel_rows if signature[2][0][i] is not True)
-        self.chunks: list[_FusedChunk] = []
-        for start in range(0, len(kernel_rows), FUSED_CHUNK):
-            rows = kernel_rows[start : start + FUSED_CHUNK]
-            # Flat aliases of all but the gradients (index 1, flattened at each step).
-            last = len(rows) < FUSED_CHUNK
-            flat = [
-                [_flat(lst[i]) for i in rows] + (fill[j] if last else []) if lst and j != 1 else []
+        # Row indices of each chunk (of at most FUSED_CHUNK; the last one filled up).
+        self.chunks = [
+            kernel_rows[start : start + FUSED_CHUNK] for start in range(0, len(kernel_rows), FUSED_CHUNK)
+        ]
+        if self.chunks:
+            kernel.ready(lists, scalars)
+        # Whether the kernel's C++ function is called alone (as it was when the plan was made).
+        self.alone = kernel.alone is not None
+        # Whether the rows go in as they are (no alias held, see above).
+        self.as_they_are = self.alone and not self.loop_rows
+        # Each call's arguments are picked from one list made at each step: every list's rows,
+        # then these constants (the fillers of each list, the rows' sizes, a filler's size),
+        # then the scalars.
+        self.filled = fill = _fillers_by_list(lists, -len(kernel_rows) % FUSED_CHUNK)
+        self.lengths = list(map(len, lists))
+        self.constants: list[Any] = [t for f in fill.values() for t in f]
+        self.constants += [p.numel() for p in params] + [2]
+        # The aliases of the user's tensors where they do not go in as they are (None for the loop's
+        # rows), and where they were: memory freed under them moves them to null.
+        self.sources: list[list[Tensor | None]] = []
+        if not self.as_they_are:
+            self.sources = [
+                [_flat(t) if f else None for t, f in zip(lst, fits, strict=True)] if lst and j != 1 else []
                 for j, lst in enumerate(lists)
             ]
-            self.chunks.append(_FusedChunk(rows, flat, fill[1] if last else [], channels_last & set(rows)))
-        # The aliases of the user's tensors, and where they were: memory freed under them
-        # (``untyped_storage().resize_(0)``, as offloading does) moves them to null.
-        self.aliases = [
-            t
-            for chunk in self.chunks
-            for j, lst in enumerate(chunk.flat)
-            if j != 1
-            for t in lst[: len(chunk.rows)]
-        ]
+        self.aliases = [t for lst in self.sources for t in lst if t is not None]
         self.alias_addresses = list(map(Tensor.data_ptr, self.aliases))
-        # What the kernels write in place (parameters, slots, fillers): autograd's version counters.
-        self.written = [t for chunk in self.chunks for j, lst in enumerate(chunk.flat) if j != 1 for t in lst]
+        # Kernel rows of more than one dimension, whose gradients are flattened for a kernel that
+        # takes flat rows: contiguous ones, and those dense in a channels-last format.
+        self.raveled = [i for i in kernel_rows if signature[2][0][i] is True and params[i].dim() != 1]
+        self.channels_last = [i for i in kernel_rows if signature[2][0][i] is not True]
         self.on_cuda = params[0].device.type == "cuda"
+        self._calls: dict[int, tuple[list[Callable[[list[Any]], tuple[Any, ...]]], list[str]]] = {}
         self.graphs: list[_StepGraph] = []  # the latest first
         # The gradients' addresses at the last steps that replayed no graph, the latest first.
         self._recent: list[list[int]] = []
@@ -2235,18 +2169,99 @@ class _FusedPlan:
         # metadata of them, and that of the slots alone (see _CENSUS_HELD).
         self.found_with: tuple[_SameMeta, _SameMeta | None] | None = None
 
-    def call(self, kernel: _FusedKernel, grads: list[Tensor], scalars: dict[str, Any]) -> None:
-        """Run ``kernel`` over every chunk: one step of the update for the kernel's rows."""
-        if self.has_fillers:
-            # Earlier calls moved them: every call sees the same values.
-            torch._foreach_zero_(self.fillers)
-        for chunk in self.chunks:
-            kernel(chunk, grads, scalars)
-        if kernel.inner is not None:
-            _bump_versions(self.written)
+    def call(self, kernel: _FusedKernel, lists: tuple[list[Tensor], ...], scalars: dict[str, Any]) -> None:
+        """Run ``kernel`` over every chunk: one step of the update for the kernel's rows.
+
+        The plan may have been made for another kernel of the rule (other scalars): one that
+        is called alone if this one is.
+        """
+        kernel.ready(lists, scalars)
+        if kernel.call_layout is None:
+            # No placed inputs: through torch.compile, a chunk of flat rows at a time.
+            pool = self._pool(kernel, lists, [])
+            for lst in self._chunk_lists(pool):
+                kernel._through_dynamo_patched(lst, scalars)
+            return
+        getters, names = self._calls.get(id(kernel)) or self._getters(kernel)
+        pool = self._pool(kernel, lists, names)
+        pool += map(scalars.__getitem__, names)
+        # (What the kernels make of the fillers is never read: each element is updated on its own.)
+        if kernel.alone is not None:
+            for get in getters:
+                kernel.alone(*get(pool))
+        elif kernel.inner is not None:
+            for get in getters:
+                kernel.inner(list(get(pool)))
+        else:
+            for get in getters:
+                kernel.direct(*get(pool))
+            return
+        # The generated code leaves autograd's version counters of what it writes to its caller.
+        if self.as_they_are:
+            _bump_versions(list(itertools.chain(lists[0], *lists[2:])))
+        else:
+            _bump_versions(self.aliases)
+
+    def _pool(self, kernel: _FusedKernel, lists: tuple[list[Tensor], ...], names: list[str]) -> list[Any]:
+        """This step's rows of every list, then :attr:`constants` (the scalars go last)."""
+        if self.as_they_are:
+            pool = list(itertools.chain.from_iterable(lists))
+        else:
+            grads = list(lists[1])
+            if kernel.alone is None:
+                # Flat, as the kernel takes them (in memory order, as the row's parameter and
+                # slots; ravel would copy a channels-last gradient in logical order).
+                for i in self.raveled:
+                    grads[i] = grads[i].ravel()
+                for i in self.channels_last:
+                    grads[i] = grads[i].as_strided((grads[i].numel(),), (1,))
+            pool = list(
+                itertools.chain.from_iterable(grads if j == 1 else lst for j, lst in enumerate(self.sources))
+            )
+        pool += self.constants
+        return pool
+
+    def _getters(
+        self, kernel: _FusedKernel
+    ) -> tuple[list[Callable[[list[Any]], tuple[Any, ...]]], list[str]]:
+        """Per chunk, what picks the arguments of ``kernel``'s call from the step's pool (see
+        :meth:`_pool`), and the names of the scalars at its end."""
+        assert kernel.call_layout is not None
+        names = sorted({where for kind, where in kernel.call_layout if kind == "scalar"})
+        starts = list(itertools.accumulate(self.lengths, initial=0))
+        base = starts[-1]
+        filler_at, k = {}, base
+        for j, f in self.filled.items():
+            filler_at[j], k = k, k + len(f)
+        sizes_at, filler_size_at = k, base + len(self.constants) - 1
+        scalars_at = base + len(self.constants)
+        getters = []
+        for rows in self.chunks:
+            real = len(rows)
+            at = []
+            for kind, where in kernel.call_layout:
+                if kind == "row":
+                    j, i = where
+                    at.append(starts[j] + rows[i] if i < real else filler_at[j] + i - real)
+                elif kind == "scalar":
+                    at.append(scalars_at + names.index(where))
+                else:
+                    at.append(sizes_at + rows[where] if where < real else filler_size_at)
+            getters.append(operator.itemgetter(*at))
+        self._calls[id(kernel)] = getters, names
+        return getters, names
+
+    def _chunk_lists(self, pool: list[Any]) -> Iterator[list[list[Tensor]]]:
+        """Each chunk's flat rows of every list, filled up (for calls through torch.compile)."""
+        starts = list(itertools.accumulate(self.lengths, initial=0))
+        for rows in self.chunks:
+            yield [
+                [pool[starts[j] + i] for i in rows] + self.filled[j][: FUSED_CHUNK - len(rows)] if n else []
+                for j, n in enumerate(self.lengths)
+            ]
 
     def step_graph(
-        self, kernel: _FusedKernel, grads: list[Tensor], scalars: dict[str, Any]
+        self, kernel: _FusedKernel, lists: tuple[list[Tensor], ...], scalars: dict[str, Any]
     ) -> _StepGraph | None:
         """The CUDA graph of :meth:`call` for gradients at these addresses, or None (call the kernels).
 
@@ -2260,6 +2275,7 @@ class _FusedPlan:
         """
         if self._capture_failed or torch.cuda.is_current_stream_capturing() or not _caching_allocator():
             return None
+        grads = lists[1]
         if any(isinstance(v, Tensor) and v.device != grads[0].device for v in scalars.values()):
             # A CPU scalar (a functional caller's) is read on the host as the kernel is launched:
             # a graph would keep the value it was captured with.
@@ -2273,7 +2289,7 @@ class _FusedPlan:
             return None
         self._recent.remove(addresses)
         try:
-            graph = _StepGraph(self, kernel, grads, scalars, addresses)
+            graph = _StepGraph(self, kernel, lists, scalars, addresses)
         except Exception as error:  # a capture refused on this device or driver: the kernels still work
             self._capture_failed = True
             self.graphs = []
@@ -2288,7 +2304,13 @@ class _FusedPlan:
         return graph
 
     @classmethod
-    def of(cls, single: Callable[..., None], lists: tuple[list[Tensor], ...]) -> _FusedPlan:
+    def of(
+        cls,
+        single: Callable[..., None],
+        lists: tuple[list[Tensor], ...],
+        kernel: _FusedKernel,
+        scalars: dict[str, Any],
+    ) -> _FusedPlan:
         """The kept plan for ``lists`` if it still holds, else a new one (kept in its place)."""
         kept = [lists[0], *lists[2:]]
         key = next((lst[0] for lst in lists[2:] if lst), lists[0][0])
@@ -2297,9 +2319,11 @@ class _FusedPlan:
         held = _CENSUS_HELD.get()
         if held is not None and not (_same_objects(lists[0], held[1]) and _same_objects(lists[1], held[2])):
             held = None
+        alone = kernel.alone is not None
         if (
             plan is not None
             and plan.single is single
+            and plan.alone == alone
             and plan._holds_as_last_found(lists, kept, in_step, held)
         ):
             return plan
@@ -2316,25 +2340,24 @@ class _FusedPlan:
         # evaluated since, or a subclass's own update can have replaced one. Their devices are
         # left to the optimizers, which check every gradient against its parameter.
         _check_rows_fit("gradient", lists[1], signature[1][0], every_step=True)
+        # So are parameters and slots (a plan kept may not depend on which tensors they are).
+        _check_rows_fit("parameter", lists[0], signature[1][0])
+        for lst in lists[2:]:
+            _check_rows_fit("slot", lst, signature[1][0])
+        if not signature[3]:
+            _refuse_inference_rows(lists)
         if not in_step:
             # Called as a functional form: rows are flattened, so one of its parameter's size
             # in another shape would be applied where the loop refuses it.
-            for lst in lists[2:]:
-                _check_rows_fit("slot", lst, signature[1][0])
             _check_row_shapes(lists)
         if (
             plan is None
             or plan.single is not single
+            or plan.alone != alone
             or plan.chunk_size != FUSED_CHUNK
-            or plan.signature != signature
-            or not plan._aliases_in_place()
+            or not plan._made_for(signature)
         ):
-            _check_rows_fit("parameter", lists[0], signature[1][0])
-            for lst in lists[2:]:
-                _check_rows_fit("slot", lst, signature[1][0])
-            if not signature[3]:
-                _refuse_inference_rows(lists)
-            plan = cls._kept[key] = cls(single, lists, signature)
+            plan = cls._kept[key] = cls(single, lists, signature, kernel, scalars)
         plan.found_for = (_SameMeta.of([t for lst in lists for t in lst]), in_step)
         slots = [t for lst in lists[2:] for t in lst]
         plan.found_with = (held[0], _SameMeta.of(slots) if slots else None) if held is not None else None
@@ -2350,12 +2373,12 @@ class _FusedPlan:
         """Whether every tensor of ``lists`` is as when :meth:`of` last found this plan to hold,
         without reading each one's properties in Python (:class:`_SameMeta`).
 
-        The gradients included, so that they passed that step's checks of them; parameters and
-        slots at the same addresses, and the plan's aliases of them where they were. A plan found
-        within ``step()`` is not taken for a functional call, which checks rows step() had
-        already checked. ``held``: step()'s census found the parameters and gradients to have
-        the metadata it kept (see :data:`_CENSUS_HELD`); if it kept that when the plan was last
-        found, only the slots are checked again.
+        The gradients included, so that they passed that step's checks of them; and, for a plan
+        that holds aliases, parameters and slots at the same addresses and the aliases where they
+        were. A plan found within ``step()`` is not taken for a functional call, which checks
+        rows step() had already checked. ``held``: step()'s census found the parameters and
+        gradients to have the metadata it kept (see :data:`_CENSUS_HELD`); if it kept that when
+        the plan was last found, only the slots are checked again.
         """
         same, found_in_step = self.found_for
         if same is None or not (in_step or not found_in_step) or self.chunk_size != FUSED_CHUNK:
@@ -2368,9 +2391,19 @@ class _FusedPlan:
                 return False
         elif not same.holds([t for lst in lists for t in lst]):
             return False
+        if self.as_they_are:
+            return True
         return [list(map(Tensor.data_ptr, lst)) for lst in kept] == self.signature[
             0
         ] and self._aliases_in_place()
+
+    def _made_for(self, signature: Any) -> bool:
+        """Whether the plan was made for tensors of ``signature`` (see :meth:`of`): the same sizes
+        and layouts, and, for a plan that holds aliases, the same addresses, its aliases where
+        they were."""
+        if self.signature[1:] != signature[1:]:
+            return False
+        return self.as_they_are or (self.signature[0] == signature[0] and self._aliases_in_place())
 
     def _aliases_in_place(self) -> bool:
         """Whether the plan's aliases are where they were made (memory freed under a tensor moves
@@ -2396,15 +2429,15 @@ class _StepGraph:
         self,
         plan: _FusedPlan,
         kernel: _FusedKernel,
-        grads: list[Tensor],
+        lists: tuple[list[Tensor], ...],
         scalars: dict[str, Any],
         addresses: list[int],
     ):
         self.kernel, self.addresses = kernel, addresses
         self.names = [name for name, v in scalars.items() if isinstance(v, Tensor)]
-        self.written = plan.written
+        self.written = plan.aliases
         self.replays = 0
-        device = grads[0].device
+        device = lists[1][0].device
         graph = torch.cuda.CUDAGraph()
         current = torch.cuda.current_stream(device)
         side = torch.cuda.Stream(device)
@@ -2416,7 +2449,7 @@ class _StepGraph:
                 # pool the gradients come from would move them, and no graph would be replayed.
                 self.inputs = [torch.empty_like(scalars[name]) for name in self.names]
                 captured = {**scalars, **dict(zip(self.names, self.inputs, strict=True))}
-                plan.call(kernel, grads, captured)
+                plan.call(kernel, lists, captured)
             finally:
                 graph.capture_end()
         current.wait_stream(side)
@@ -2520,7 +2553,7 @@ def _check_row_shapes(lists: tuple[list[Tensor], ...]) -> None:
 
 def _refuse_inference_rows(lists: tuple[list[Tensor], ...]) -> None:
     """Refuse, as the loop's in-place ops do, parameters or slots made under ``torch.inference_mode()``
-    when updating outside it (the kernels write through the plan's aliases, unchecked)."""
+    when updating outside it (the kernels write to them unchecked)."""
     for j, lst in enumerate(lists):
         if j != 1 and any(map(Tensor.is_inference, lst)):
             i = next(i for i, t in enumerate(lst) if t.is_inference())
