@@ -462,7 +462,7 @@ def test_kept_flat_aliases_follow_replaced_parameters_and_slots():
             torch.testing.assert_close(f, r, rtol=rtol, atol=atol)
 
 
-def test_kept_flat_aliases_serve_later_steps_and_go_with_their_optimizer():
+def test_a_kept_plan_serves_later_steps_and_goes_with_its_optimizer():
     """One plan serves step after step with new gradients; it does not keep a dropped optimizer's slots."""
     params = [torch.nn.Parameter(torch.randn(s)) for s in SHAPES]
     opt = tgo.AdamOptimizer(params, learning_rate=0.1, fused=True)
