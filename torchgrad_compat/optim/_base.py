@@ -2212,12 +2212,12 @@ class _FusedPlan:
         kernel.ready(lists, scalars)
         if kernel.call_layout is None:
             # No placed inputs: through torch.compile, a chunk of flat rows at a time.
-            pool = self._pool(kernel, lists, [])
+            pool = self._pool(kernel, lists)
             for lst in self._chunk_lists(pool):
                 kernel._through_dynamo_patched(lst, scalars)
             return
         getters, names = self._calls.get(id(kernel)) or self._getters(kernel)
-        pool = self._pool(kernel, lists, names)
+        pool = self._pool(kernel, lists)
         pool += map(scalars.__getitem__, names)
         # (What the kernels make of the fillers is never read: each element is updated on its own.)
         if kernel.alone is not None:
@@ -2236,7 +2236,7 @@ class _FusedPlan:
         else:
             _bump_versions(self.aliases)
 
-    def _pool(self, kernel: _FusedKernel, lists: tuple[list[Tensor], ...], names: list[str]) -> list[Any]:
+    def _pool(self, kernel: _FusedKernel, lists: tuple[list[Tensor], ...]) -> list[Any]:
         """This step's rows of every list, then :attr:`constants` (the scalars go last)."""
         if self.as_they_are:
             pool = list(itertools.chain.from_iterable(lists))
