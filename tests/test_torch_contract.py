@@ -489,6 +489,46 @@ def test_a_variable_given_memory_of_another_shape_after_its_slots_were_made_is_r
     assert all(torch.isfinite(p).all() for p in params)
 
 
+@by_spec
+@pytest.mark.parametrize(
+    "path", [{"foreach": False}, {"foreach": True}, {"fused": True}], ids=["loop", "foreach", "fused"]
+)
+@pytest.mark.parametrize("change", ["replaced, reshaped", "reshaped in place", "replaced, float64"])
+def test_a_slot_replaced_or_reshaped_after_a_step_is_refused(
+    spec: OptimSpec, cid: str, path: dict[str, bool], change: str
+):
+    # A slot of another shape (of the same size) or dtype than its variable, put in the state
+    # between two steps: the loop updated the variables before it and then failed in torch's
+    # words, the fused path updated a reshaped slot in memory order without a word.
+    params = _params(torch.float32)
+    opt = spec.make(params, cid, **path)
+    for step in range(2):
+        _set_grads(params, step)
+        opt.step()
+    if not opt.state:
+        pytest.skip(f"{spec.name} keeps no slots")
+    state = opt.state[params[1]]
+    name = next(iter(state))
+    if change == "replaced, reshaped":
+        state[name] = state[name].reshape(1, 5).clone()
+    elif change == "reshaped in place":
+        state[name].data = state[name].data.reshape(1, 5)
+    else:
+        state[name] = state[name].double()
+    if change.endswith("float64"):
+        message = (
+            rf"slot '{name}' of variable .* is torch.float64 on cpu, but the variable is now torch.float32"
+        )
+        _assert_refused_leaving_all_as_it_was(opt, params, message, TypeError, pattern=True)
+    else:
+        message = rf"slot '{name}' of variable .* has shape \(1, 5\)"
+        _assert_refused_leaving_all_as_it_was(opt, params, message, pattern=True)
+    del opt.state[params[1]]  # the remedy the error names: its slots start again
+    _set_grads(params, 7)
+    opt.step()
+    assert all(slot.shape == (5,) for slot in opt.state[params[1]].values())
+
+
 def test_a_variable_converted_in_a_group_of_mixed_dtypes_is_refused():
     # A group of two dtypes has no one kind: each parameter's dtype is compared with the last step's.
     params = [_params(torch.float32)[0], _params(torch.bfloat16)[1]]

@@ -88,11 +88,12 @@ _GRAPHS_PER_PLAN = 4
 # shape (step() and apply_gradients check gradients; slots are made and loaded so).
 _ROWS_FIT: contextvars.ContextVar[bool] = contextvars.ContextVar("_ROWS_FIT", default=False)
 # Set by Optimizer._apply around one group's update: the kept metadata that step()'s census found
-# the group's parameters and gradients (these lists) to have, with nothing run since that could
-# change them (see _FusedPlan._holds_as_last_found).
-_CENSUS_HELD: contextvars.ContextVar[tuple[_SameMeta, list[Tensor], list[Tensor]] | None] = (
-    contextvars.ContextVar("_CENSUS_HELD", default=None)
-)
+# the group's parameters and gradients (these lists) to have, and the kept metadata of the group's
+# slots that its check of the slots found them to have (None without slots), with nothing run
+# since that could change them (see _FusedPlan._holds_as_last_found).
+_CENSUS_HELD: contextvars.ContextVar[
+    tuple[_SameMeta, list[Tensor], list[Tensor], _SameMeta | None] | None
+] = contextvars.ContextVar("_CENSUS_HELD", default=None)
 # Accepted numbers each Hyper remembers (a scheduler may produce a new lr at every step).
 _ACCEPTED_PER_HYPER = 1024
 # Chunk layouts whose scratch views an optimizer keeps (see Optimizer._scratch).
@@ -1216,29 +1217,37 @@ class Optimizer(torch.optim.Optimizer):
         self,
         found: dict[int, tuple[list[Tensor], tuple[torch.device, torch.dtype] | None]],
         shapes: dict[int, list[torch.Size]],
-    ) -> None:
-        """Refuse a step where a parameter's slots differ from it in shape, dtype or device.
+        grouped: dict[int, list[tuple[Tensor, Tensor]]],
+    ) -> dict[int, _SameMeta | None]:
+        """Refuse a step where a parameter's slots differ from it in shape, dtype or device, before
+        anything is updated; return, per group, the kept metadata its slots were found to have
+        (None for a rule without slots; a group whose slots have none kept is left out).
 
         Slots are made in their parameter's shape, dtype and device, as TF's are.
         A parameter converted afterwards (``model.double()``, ``model.to(device)``)
         or given other memory (``p.data = torch.cat([p.data, rows])``, a view in
-        another shape) keeps them as they were. The update paths then parted
-        ways: with float32 slots of float64 variables (Adam) the loop, foreach
-        and fused paths gave three different results, and with a slot of
-        another shape the loop updated the parameters before the one that
-        failed (a step half taken), foreach failed in torch's words, and the
-        fused path, for a reshape of the same size, updated it in memory order.
-        Reading every slot at every step would cost as much as the check of the
+        another shape) keeps them as they were, and so does a slot replaced or
+        given other memory (``opt.state[p]["m"] = ...``). The update paths then
+        parted ways: with float32 slots of float64 variables (Adam) the loop,
+        foreach and fused paths gave three different results, and with a slot of
+        another shape the loop updated the parameters before the one that failed
+        (a step half taken), foreach failed in torch's words, and the fused path,
+        for a reshape of the same size, updated it in memory order. Reading every
+        slot in Python at every step would cost as much as the check of the
         gradients, so a group's slots are read only when its parameters, their
         shapes, or their one device and dtype (see :func:`_shared_kind`; each
-        one's, in groups that have none: mixed, sparse or sharded) differ from
-        the last step that read them.
+        one's, in groups that have none: mixed, sparse or sharded) differ from the
+        last step that read them, when ``state`` holds other slot dicts, or when a
+        slot's metadata differs from what it was then (:class:`_SameMeta`, one call
+        over all of them).
         """
         if type(self)._init_slots is Optimizer._init_slots:
-            return
+            return dict.fromkeys(found)
         seen = self.__dict__.setdefault("_slots_read_for", {})
         state = self.state
         cls = type(self).__name__
+        as_kept = self._slot_dicts_as_kept(grouped)
+        records: dict[int, _SameMeta | None] = {}
         for gi, (params, kind) in found.items():
             shape_list = shapes[gi] if gi in shapes else list(map(_SHAPE_OF, params))
             if kind is not None:
@@ -1246,8 +1255,14 @@ class Optimizer(torch.optim.Optimizer):
             else:
                 each = (list(map(_DTYPE_OF, params)), list(map(_DEVICE_OF, params)))
                 key = (None, list(map(id, params)), shape_list, *each)
-            if seen.get(gi) == key:
-                continue
+            last = seen.get(gi)
+            if last is not None and last[1] is not None and as_kept is not None and last[0] == key:
+                # (A value that is not a tensor fails the check, and the slots are read below.)
+                slots = list(itertools.chain.from_iterable(map(dict.values, filter(None, as_kept[gi]))))
+                if last[1].holds(slots):
+                    records[gi] = last[1]
+                    continue
+            slots = []
             for p in params:
                 for name, slot in state.get(p, {}).items():
                     if not isinstance(slot, Tensor):
@@ -1256,20 +1271,25 @@ class Optimizer(torch.optim.Optimizer):
                         raise ValueError(
                             f"{cls}: slot {name!r} of variable {_describe(p)} has shape "
                             f"{tuple(slot.shape)}: the variable was given memory of another shape after "
-                            "its slots were made (as by p.data = ...). A slot keeps its variable's shape, "
-                            "as in TensorFlow; `del opt.state[p]` makes that variable's slots again, "
-                            "from their initial values, at the next step"
+                            "its slots were made (as by p.data = ...), or the slot was replaced. A slot "
+                            "keeps its variable's shape, as in TensorFlow; `del opt.state[p]` makes that "
+                            "variable's slots again, from their initial values, at the next step"
                         )
                     if slot.dtype != p.dtype or slot.device != p.device:
                         raise TypeError(
                             f"{cls}: slot {name!r} of variable {_describe(p)} is {slot.dtype} on "
                             f"{slot.device}, but the variable is now {p.dtype} on {p.device}: it was "
-                            "converted after its slots were made (as by model.double() or model.to()). "
-                            "A slot keeps its variable's dtype and device, as in TensorFlow; "
-                            "opt.load_state_dict(opt.state_dict()) converts the slots to the variables' "
-                            "dtypes and devices"
+                            "converted after its slots were made (as by model.double() or model.to()), "
+                            "or the slot was replaced. A slot keeps its variable's dtype and device, as "
+                            "in TensorFlow; opt.load_state_dict(opt.state_dict()) converts the slots to "
+                            "the variables' dtypes and devices"
                         )
-            seen[gi] = key
+                    slots.append(slot)
+            record = _SameMeta.of(slots) if slots else None
+            seen[gi] = (key, record)
+            if record is not None or not slots:
+                records[gi] = record
+        return records
 
     def _init_missing_slots(self, missing: dict[int, list[Tensor]]) -> None:
         state = self.state
@@ -1447,7 +1467,9 @@ class Optimizer(torch.optim.Optimizer):
                 self._check_live_non_slot(i, group)
                 self._recheck_group_keys(i, group)
                 self._check_tf_names_written_since(i, group)
-            self._check_slots_follow_params(found, shapes)
+            slot_records = self._check_slots_follow_params(found, shapes, grouped)
+        else:
+            slot_records = {}
         slots_of = self._create_slots(grouped, evaluated)
         state = self.state
         has_slots = type(self)._init_slots is not Optimizer._init_slots
@@ -1482,8 +1504,8 @@ class Optimizer(torch.optim.Optimizer):
                         if sharded:
                             params, grads, slots = _local_shards(params, grads, slots)
                         held = (
-                            _CENSUS_HELD.set((census_of[gi], params, grads))
-                            if gi in census_of and gi in in_pair_order and whole
+                            _CENSUS_HELD.set((census_of[gi], params, grads, slot_records[gi]))
+                            if gi in census_of and gi in slot_records and gi in in_pair_order and whole
                             else None
                         )
                         try:
@@ -2199,8 +2221,8 @@ class _FusedPlan:
         # The metadata of every tensor of the lists the plan was last found to hold for, and
         # whether that was within step() (see _holds_as_last_found).
         self.found_for: tuple[_SameMeta | None, bool] = (None, True)
-        # Where step()'s census had checked the parameters and gradients then: its kept
-        # metadata of them, and that of the slots alone (see _CENSUS_HELD).
+        # Where step() had checked the parameters, gradients and slots then: the kept metadata
+        # its census found them to have, and that its check of the slots found (see _CENSUS_HELD).
         self.found_with: tuple[_SameMeta, _SameMeta | None] | None = None
 
     def call(self, kernel: _FusedKernel, lists: tuple[list[Tensor], ...], scalars: dict[str, Any]) -> None:
@@ -2360,6 +2382,9 @@ class _FusedPlan:
             and plan.alone == alone
             and plan._holds_as_last_found(lists, kept, in_step, held)
         ):
+            if held is not None:
+                # (Found now with these records, whether or not it was last time.)
+                plan.found_with = (held[0], held[3])
             return plan
         # Addresses and sizes of parameters and slots, layout of every tensor (gradients too).
         signature = (
@@ -2393,8 +2418,7 @@ class _FusedPlan:
         ):
             plan = cls._kept[key] = cls(single, lists, signature, kernel, scalars)
         plan.found_for = (_SameMeta.of([t for lst in lists for t in lst]), in_step)
-        slots = [t for lst in lists[2:] for t in lst]
-        plan.found_with = (held[0], _SameMeta.of(slots) if slots else None) if held is not None else None
+        plan.found_with = (held[0], held[3]) if held is not None else None
         return plan
 
     def _holds_as_last_found(
@@ -2402,7 +2426,7 @@ class _FusedPlan:
         lists: tuple[list[Tensor], ...],
         kept: list[list[Tensor]],
         in_step: bool,
-        held: tuple[_SameMeta, list[Tensor], list[Tensor]] | None,
+        held: tuple[_SameMeta, list[Tensor], list[Tensor], _SameMeta | None] | None,
     ) -> bool:
         """Whether every tensor of ``lists`` is as when :meth:`of` last found this plan to hold,
         without reading each one's properties in Python (:class:`_SameMeta`).
@@ -2410,20 +2434,21 @@ class _FusedPlan:
         The gradients included, so that they passed that step's checks of them; and, for a plan
         that holds aliases, parameters and slots at the same addresses and the aliases where they
         were. A plan found within ``step()`` is not taken for a functional call, which checks
-        rows step() had already checked. ``held``: step()'s census found the parameters and
-        gradients to have the metadata it kept (see :data:`_CENSUS_HELD`); if it kept that when
-        the plan was last found, only the slots are checked again.
+        rows step() had already checked. ``held``: step() found the parameters, gradients and
+        slots to have the metadata it kept (see :data:`_CENSUS_HELD`); if it kept that when the
+        plan was last found, none is read again.
         """
         same, found_in_step = self.found_for
         if same is None or not (in_step or not found_in_step) or self.chunk_size != FUSED_CHUNK:
             return False
         if self.signature[3] != torch.is_inference_mode_enabled():
             return False
-        if held is not None and self.found_with is not None and self.found_with[0] is held[0]:
-            slots = self.found_with[1]
-            if slots is not None and not slots.holds([t for lst in lists[2:] for t in lst]):
-                return False
-        elif not same.holds([t for lst in lists for t in lst]):
+        if not (
+            held is not None
+            and self.found_with is not None
+            and self.found_with[0] is held[0]
+            and self.found_with[1] is held[3]
+        ) and not same.holds([t for lst in lists for t in lst]):
             return False
         if self.as_they_are:
             return True
