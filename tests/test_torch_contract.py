@@ -529,6 +529,35 @@ def test_a_slot_replaced_or_reshaped_after_a_step_is_refused(
     assert all(slot.shape == (5,) for slot in opt.state[params[1]].values())
 
 
+@by_spec
+@pytest.mark.parametrize(
+    "path", [{"foreach": False}, {"foreach": True}, {"fused": True}], ids=["loop", "foreach", "fused"]
+)
+def test_a_slot_deleted_from_its_dict_is_refused_before_any_group_is_updated(
+    spec: OptimSpec, cid: str, path: dict[str, bool]
+):
+    # Each parameter in a group of its own: the update failed on the missing slot (a bare
+    # KeyError) after the groups before it had been updated.
+    params = _params(torch.float32)
+    opt = spec.make([{"params": [p]} for p in params], cid, **path)
+    for step in range(2):
+        _set_grads(params, step)
+        opt.step()
+    if not opt.state:
+        pytest.skip(f"{spec.name} keeps no slots")
+    state = opt.state[params[1]]
+    if len(state) < 2:
+        pytest.skip(f"{spec.name} keeps one slot: deleting it leaves no slot, made again at the next step")
+    name = next(iter(state))
+    del state[name]
+    message = rf"variable .* has slots .* but not \['{name}'\]: a slot was deleted"
+    _assert_refused_leaving_all_as_it_was(opt, params, message, pattern=True)
+    del opt.state[params[1]]  # the remedy the error names: its slots start again
+    _set_grads(params, 7)
+    opt.step()
+    assert name in opt.state[params[1]]
+
+
 def test_a_variable_converted_in_a_group_of_mixed_dtypes_is_refused():
     # A group of two dtypes has no one kind: each parameter's dtype is compared with the last step's.
     params = [_params(torch.float32)[0], _params(torch.bfloat16)[1]]

@@ -1239,7 +1239,9 @@ class Optimizer(torch.optim.Optimizer):
         one's, in groups that have none: mixed, sparse or sharded) differ from the
         last step that read them, when ``state`` holds other slot dicts, or when a
         slot's metadata differs from what it was then (:class:`_SameMeta`, one call
-        over all of them).
+        over all of them; a slot deleted from its dict makes them fewer). A
+        parameter's slot dict missing one of the rule's slots is refused too: the
+        update would fail on it, after the groups before it.
         """
         if type(self)._init_slots is Optimizer._init_slots:
             return dict.fromkeys(found)
@@ -1264,7 +1266,16 @@ class Optimizer(torch.optim.Optimizer):
                     continue
             slots = []
             for p in params:
-                for name, slot in state.get(p, {}).items():
+                slot_dict = state.get(p, {})
+                # (Slots a group option adds, such as RMSProp's "mg", are left to _create_slots.)
+                absent = [name for name in self._slots if name not in slot_dict] if slot_dict else []
+                if absent:
+                    raise ValueError(
+                        f"{cls}: variable {_describe(p)} has slots {sorted(slot_dict)} but not "
+                        f"{absent}: a slot was deleted from opt.state[p]. `del opt.state[p]` makes that "
+                        "variable's slots again, from their initial values, at the next step"
+                    )
+                for name, slot in slot_dict.items():
                     if not isinstance(slot, Tensor):
                         continue
                     if slot.shape != p.shape:
