@@ -30,6 +30,9 @@ from torchgrad_compat.xla import CrossShardOptimizer
 DEFAULT_CONFIGS = [(spec, next(iter(spec.configs))) for spec in SPECS]
 DEFAULT_IDS = [spec.name.removesuffix("Optimizer") for spec, _ in DEFAULT_CONFIGS]
 by_spec = pytest.mark.parametrize(("spec", "cid"), DEFAULT_CONFIGS, ids=DEFAULT_IDS)
+by_path = pytest.mark.parametrize(
+    "path", [{"foreach": False}, {"foreach": True}, {"fused": True}], ids=["loop", "foreach", "fused"]
+)
 
 
 def _params(dtype: torch.dtype = torch.float32, seed: int = 0) -> list[torch.Tensor]:
@@ -433,9 +436,7 @@ def test_load_state_dict_casts_slots_to_the_parameters_dtype(spec: OptimSpec, ci
 
 
 @by_spec
-@pytest.mark.parametrize(
-    "path", [{"foreach": False}, {"foreach": True}, {"fused": True}], ids=["loop", "foreach", "fused"]
-)
+@by_path
 def test_a_variable_converted_after_its_slots_were_made_is_refused_until_they_are_reloaded(
     spec: OptimSpec, cid: str, path: dict[str, bool]
 ):
@@ -464,9 +465,7 @@ def test_a_variable_converted_after_its_slots_were_made_is_refused_until_they_ar
 
 
 @by_spec
-@pytest.mark.parametrize(
-    "path", [{"foreach": False}, {"foreach": True}, {"fused": True}], ids=["loop", "foreach", "fused"]
-)
+@by_path
 @pytest.mark.parametrize("shape", [(1, 5), (7,)], ids=["reshaped", "grown"])
 def test_a_variable_given_memory_of_another_shape_after_its_slots_were_made_is_refused(
     spec: OptimSpec, cid: str, path: dict[str, bool], shape: tuple[int, ...]
@@ -490,9 +489,7 @@ def test_a_variable_given_memory_of_another_shape_after_its_slots_were_made_is_r
 
 
 @by_spec
-@pytest.mark.parametrize(
-    "path", [{"foreach": False}, {"foreach": True}, {"fused": True}], ids=["loop", "foreach", "fused"]
-)
+@by_path
 @pytest.mark.parametrize("change", ["replaced, reshaped", "reshaped in place", "replaced, float64"])
 def test_a_slot_replaced_or_reshaped_after_a_step_is_refused(
     spec: OptimSpec, cid: str, path: dict[str, bool], change: str
@@ -530,9 +527,7 @@ def test_a_slot_replaced_or_reshaped_after_a_step_is_refused(
 
 
 @by_spec
-@pytest.mark.parametrize(
-    "path", [{"foreach": False}, {"foreach": True}, {"fused": True}], ids=["loop", "foreach", "fused"]
-)
+@by_path
 def test_a_slot_deleted_from_its_dict_is_refused_before_any_group_is_updated(
     spec: OptimSpec, cid: str, path: dict[str, bool]
 ):
