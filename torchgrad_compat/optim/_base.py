@@ -2206,7 +2206,8 @@ class _FusedPlan:
         # then these constants (the fillers of each list, the rows' sizes, a filler's size),
         # then the scalars.
         self.filled = fill = _fillers_by_list(lists, -len(kernel_rows) % FUSED_CHUNK)
-        self.lengths = list(map(len, lists))
+        # Where each list's rows start in that list (an empty list takes no place).
+        self.starts = list(itertools.accumulate(map(len, lists), initial=0))
         self.constants: list[Any] = [t for f in fill.values() for t in f]
         self.constants += [p.numel() for p in params] + [2]
         # The aliases of the user's tensors where they do not go in as they are (None for the loop's
@@ -2295,7 +2296,7 @@ class _FusedPlan:
         :meth:`_pool`), and the names of the scalars at its end."""
         assert kernel.call_layout is not None
         names = sorted({where for kind, where in kernel.call_layout if kind == "scalar"})
-        starts = list(itertools.accumulate(self.lengths, initial=0))
+        starts = self.starts
         base = starts[-1]
         filler_at, k = {}, base
         for j, f in self.filled.items():
@@ -2320,11 +2321,13 @@ class _FusedPlan:
 
     def _chunk_lists(self, pool: list[Any]) -> Iterator[list[list[Tensor]]]:
         """Each chunk's flat rows of every list, filled up (for calls through torch.compile)."""
-        starts = list(itertools.accumulate(self.lengths, initial=0))
+        starts = self.starts
         for rows in self.chunks:
             yield [
-                [pool[starts[j] + i] for i in rows] + self.filled[j][: FUSED_CHUNK - len(rows)] if n else []
-                for j, n in enumerate(self.lengths)
+                [pool[start + i] for i in rows] + self.filled[j][: FUSED_CHUNK - len(rows)]
+                if j in self.filled
+                else []
+                for j, start in enumerate(starts[:-1])
             ]
 
     def step_graph(
