@@ -488,6 +488,21 @@ def test_a_variable_given_memory_of_another_shape_after_its_slots_were_made_is_r
     assert all(torch.isfinite(p).all() for p in params)
 
 
+def _two_steps_with_slots(
+    spec: OptimSpec, cid: str, path: dict[str, bool], group_each: bool = False
+) -> tuple[list[torch.Tensor], Any]:
+    """Two steps of ``spec`` over ``_params()`` (each in a param group of its own if
+    ``group_each``); skips the test for an optimizer that keeps no slots."""
+    params = _params(torch.float32)
+    opt = spec.make([{"params": [p]} for p in params] if group_each else params, cid, **path)
+    for step in range(2):
+        _set_grads(params, step)
+        opt.step()
+    if not opt.state:
+        pytest.skip(f"{spec.name} keeps no slots")
+    return params, opt
+
+
 @by_spec
 @by_path
 @pytest.mark.parametrize("change", ["replaced, reshaped", "reshaped in place", "replaced, float64"])
@@ -497,13 +512,7 @@ def test_a_slot_replaced_or_reshaped_after_a_step_is_refused(
     # A slot of another shape (of the same size) or dtype than its variable, put in the state
     # between two steps: the loop updated the variables before it and then failed in torch's
     # words, the fused path updated a reshaped slot in memory order without a word.
-    params = _params(torch.float32)
-    opt = spec.make(params, cid, **path)
-    for step in range(2):
-        _set_grads(params, step)
-        opt.step()
-    if not opt.state:
-        pytest.skip(f"{spec.name} keeps no slots")
+    params, opt = _two_steps_with_slots(spec, cid, path)
     state = opt.state[params[1]]
     name = next(iter(state))
     if change == "replaced, reshaped":
@@ -533,13 +542,7 @@ def test_a_slot_deleted_from_its_dict_is_refused_before_any_group_is_updated(
 ):
     # Each parameter in a group of its own: the update failed on the missing slot (a bare
     # KeyError) after the groups before it had been updated.
-    params = _params(torch.float32)
-    opt = spec.make([{"params": [p]} for p in params], cid, **path)
-    for step in range(2):
-        _set_grads(params, step)
-        opt.step()
-    if not opt.state:
-        pytest.skip(f"{spec.name} keeps no slots")
+    params, opt = _two_steps_with_slots(spec, cid, path, group_each=True)
     state = opt.state[params[1]]
     if len(state) < 2:
         pytest.skip(f"{spec.name} keeps one slot: deleting it leaves no slot, made again at the next step")
