@@ -213,6 +213,54 @@ def test_a_training_loop_step_checks_each_parameter_and_gradient_once(monkeypatc
     assert checked == [2 * len(params), len(params), 3 * len(params)]
 
 
+def _six_steps(spec: OptimSpec, cid: str) -> list[torch.Tensor]:
+    """Six fused steps of a training loop (new gradients, or written in place; one parameter
+    frozen, without a gradient): every parameter and slot after them."""
+    gen = torch.Generator().manual_seed(0)
+    params = [torch.nn.Parameter(torch.randn(s, generator=gen)) for s in SHAPES if s != (1,)]
+    frozen = torch.nn.Parameter(torch.randn(6, generator=gen), requires_grad=False)
+    opt = spec.make([*params[:2], frozen, *params[2:]], cid, fused=True)
+    for step in range(6):
+        for p in params:
+            g = torch.randn(p.shape, generator=gen)
+            if p.grad is None or step % 2:
+                p.grad = g
+            else:
+                p.grad.copy_(g)
+        opt.step()
+    params.append(frozen)
+    return [p.detach().clone() for p in params] + [s.clone() for p in params for s in opt.state[p].values()]
+
+
+@pytest.mark.parametrize(("spec", "cid"), ALL_CONFIGS, ids=ALL_IDS)
+def test_a_replayed_step_ends_as_the_whole_path(monkeypatch, spec: OptimSpec, cid: str):
+    """Where a rule's later steps are replayed from the last one's record (see _StepReplay), they
+    end bitwise as the steps that take the whole path at every step."""
+    replayed = _six_steps(spec, cid)
+    monkeypatch.setattr(optim_base._StepReplay, "of", classmethod(lambda cls, *args: None))
+    whole = _six_steps(spec, cid)
+    assert all(torch.equal(a, b) for a, b in zip(replayed, whole, strict=True))
+
+
+@pytest.mark.parametrize(
+    ("spec", "cid"),
+    [
+        (spec, cid)
+        for spec, cid in ALL_CONFIGS
+        if spec.name in ("GradientDescentOptimizer", "MomentumOptimizer", "AdagradOptimizer")
+    ],
+    ids=lambda v: v if isinstance(v, str) else v.name.removesuffix("Optimizer"),
+)
+def test_a_training_loop_takes_the_whole_path_twice_then_replays(monkeypatch, spec: OptimSpec, cid: str):
+    """The step that makes the slots takes the whole path, the next one too (its slots were not
+    there to be checked) and is recorded; the following steps replay it."""
+    whole = []
+    apply = optim_base.Optimizer._apply
+    monkeypatch.setattr(optim_base.Optimizer, "_apply", lambda self, *a: whole.append(1) or apply(self, *a))
+    _six_steps(spec, cid)
+    assert len(whole) == (2 if spec.slots else 1)
+
+
 @pytest.mark.parametrize("path", [{"fused": True}, {"foreach": False}], ids=["fused", "loop"])
 def test_a_loaded_state_lets_go_of_the_slots_it_replaces(path: dict[str, bool]):
     """What a step keeps to find the slots again holds no slot of an earlier state once another
@@ -303,6 +351,12 @@ _BETWEEN_STEPS = [
     "lr callable",
     "group added",
     "gradients zeroed in place",
+    "lr the same number again",
+    "momentum changed",
+    "nesterov switched on",
+    "a parameter replaced in its group",
+    "fused switched off",
+    "lr a tensor",
 ]
 
 
@@ -357,6 +411,22 @@ def _steps_with_random_changes(seed: int, **path: Any) -> tuple[list[str], list[
             for q in params:
                 if q.grad is not None:
                     q.grad.add_(1.0)
+        elif change == "lr the same number again" and not callable(opt.param_groups[0]["lr"]):
+            opt.param_groups[0]["lr"] = float(str(float(opt.param_groups[0]["lr"])))
+        elif change == "momentum changed":
+            opt.param_groups[0]["momentum"] = rng.uniform(0.5, 0.95)
+        elif change == "nesterov switched on":
+            opt.param_groups[0]["use_nesterov"] = True
+        elif change == "a parameter replaced in its group":
+            group = opt.param_groups[0]["params"]
+            i = rng.randrange(len(group))
+            j = next(j for j, q in enumerate(params) if q is group[i])
+            group[i] = params[j] = torch.nn.Parameter(group[i].detach() + 1)
+            group[i].grad = torch.randn(group[i].shape, generator=gen)
+        elif change == "fused switched off":
+            opt.param_groups[0]["fused"] = False
+        elif change == "lr a tensor":
+            opt.param_groups[0]["lr"] = torch.tensor(rng.uniform(0.05, 0.15))
         try:
             opt.step()
         except (ValueError, TypeError, RuntimeError) as error:
@@ -1219,6 +1289,17 @@ def _changed_after_two_steps(opt_of: Any, change: str) -> tuple[str, list[torch.
                 p.data = p.data.clone()
             elif change == "gradient replaced by the learning rate":
                 replace_in_lr[0] = True
+            elif change == "parameter replaced in its group":
+                group = opt.param_groups[0]["params"]
+                group[1] = params[1] = torch.nn.Parameter(p.detach() * 2)
+                params[1].grad = p.grad
+            elif change == "learning rate changed":
+                opt.param_groups[0]["lr"] = 0.25
+            elif change == "learning rate tensor written in place":
+                # (Where a step takes its hyperparameters from: one written is made again.)
+                optim_base._number_tensor(0.1, torch.float32, torch.device("cpu")).fill_(0.5)
+            elif change == "group key added":
+                opt.param_groups[0]["weight_decay"] = 0.01
             elif change.startswith("slot"):
                 state = opt.state[p]
                 if change == "slot replaced":
@@ -1233,6 +1314,8 @@ def _changed_after_two_steps(opt_of: Any, change: str) -> tuple[str, list[torch.
                     state["momentum"].data = state["momentum"].data.t()
                 elif change == "slots replaced":
                     opt.state[p] = {"momentum": state["momentum"].clone()}
+                elif change == "slot renamed":
+                    state["accumulation"] = state.pop("momentum")
         try:
             opt.step()
         except (ValueError, TypeError, RuntimeError) as error:
@@ -1259,8 +1342,18 @@ _CHANGES = [
     "slot transposed",
     "slot transposed in place",
     "slots replaced",
+    "slot renamed",
+    "parameter replaced in its group",
+    "learning rate changed",
+    "learning rate tensor written in place",
+    "group key added",
 ]
-_REFUSED = {"gradient shape", "gradient dtype", "gradient replaced by the learning rate"}
+_REFUSED = {
+    "gradient shape",
+    "gradient dtype",
+    "gradient replaced by the learning rate",
+    "group key added",
+}
 
 
 @pytest.mark.parametrize("change", _CHANGES)
@@ -1288,7 +1381,7 @@ def test_a_step_after_its_tensors_changed_is_checked_as_a_first_step(
     assert kept[0] == checked_in_full[0]
     # (Slots keep their variable's dtype and shape: a converted or reshaped variable or slot is refused.)
     refused = _REFUSED | (
-        {"parameter dtype", "parameter reshaped", "slot transposed in place", "slot dtype"}
+        {"parameter dtype", "parameter reshaped", "slot transposed in place", "slot dtype", "slot renamed"}
         if has_slots
         else set()
     )

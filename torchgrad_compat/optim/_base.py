@@ -41,7 +41,7 @@ import weakref
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any, ClassVar
+from typing import Any, ClassVar, NamedTuple
 
 import torch
 from torch import Tensor
@@ -92,8 +92,14 @@ _ROWS_FIT: contextvars.ContextVar[bool] = contextvars.ContextVar("_ROWS_FIT", de
 # slots that its check of the slots found them to have (None without slots), with nothing run
 # since that could change them (see _FusedPlan._holds_as_last_found).
 _CENSUS_HELD: contextvars.ContextVar[
-    tuple[_SameMeta, list[Tensor], list[Tensor], _SameMeta | None] | None
+    tuple[_SameMeta, list[Tensor], list[Tensor], _SlotRecord | None] | None
 ] = contextvars.ContextVar("_CENSUS_HELD", default=None)
+# Set by Optimizer._apply while it records a step to replay (see _StepReplay): each _run_fused call
+# appends what it called, or None where it took another way than one plan's kernel calls.
+_FUSED_CALLS: contextvars.ContextVar[list[Any] | None] = contextvars.ContextVar("_FUSED_CALLS", default=None)
+# The types of the param-group values a replayed step may depend on: values that cannot change in
+# place, so that one found to be the very object it was is the value it was.
+_REPLAYABLE_VALUES = (bool, int, float, str, type(None))
 # Accepted numbers each Hyper remembers (a scheduler may produce a new lr at every step).
 _ACCEPTED_PER_HYPER = 1024
 # Chunk layouts whose scratch views an optimizer keeps (see Optimizer._scratch).
@@ -686,6 +692,7 @@ class Optimizer(torch.optim.Optimizer):
         old_non_slot = state.pop("_non_slot", None)
         # (The slot dicts of the last step, which a loaded state replaces: not kept alive.)
         self.__dict__.pop("_slot_dicts_kept", None)
+        self.__dict__.pop("_step_replay", None)
         super().__setstate__(state)
         if old_non_slot is not None:
             # An optimizer pickled whole by the earlier layout: its non-slot state moves into its groups.
@@ -774,6 +781,10 @@ class Optimizer(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        # (A wrapper that checked the gradients itself, or DCP's first step, take the whole path.)
+        replay = None if self._grads_checked else self.__dict__.get("_step_replay")
+        if replay is not None and not _called_from_dcp_init() and replay.run(self):
+            return loss
         grouped: dict[int, list[tuple[Tensor, Tensor]]] = {}
         lists: dict[int, tuple[list[Tensor], list[Tensor]]] = {}
         kinds: dict[int, tuple[torch.device, torch.dtype] | None] = {}
@@ -1218,7 +1229,7 @@ class Optimizer(torch.optim.Optimizer):
         found: dict[int, tuple[list[Tensor], tuple[torch.device, torch.dtype] | None]],
         shapes: dict[int, list[torch.Size]],
         grouped: dict[int, list[tuple[Tensor, Tensor]]],
-    ) -> dict[int, _SameMeta | None]:
+    ) -> dict[int, _SlotRecord | None]:
         """Refuse a step where a parameter's slots differ from it in shape, dtype or device, before
         anything is updated; return, per group, the kept metadata its slots were found to have
         (None for a rule without slots; a group whose slots have none kept is left out).
@@ -1238,10 +1249,10 @@ class Optimizer(torch.optim.Optimizer):
         shapes, or their one device and dtype (see :func:`_shared_kind`; each
         one's, in groups that have none: mixed, sparse or sharded) differ from the
         last step that read them, when ``state`` holds other slot dicts, or when a
-        slot's metadata differs from what it was then (:class:`_SameMeta`, one call
-        over all of them; a slot deleted from its dict makes them fewer). A
-        parameter's slot dict missing one of the rule's slots is refused too: the
-        update would fail on it, after the groups before it.
+        slot's name or metadata differs from what it was then (:class:`_SlotRecord`:
+        the names in one list, the metadata in one call over all of them). A
+        parameter's slot dict missing one of the rule's slots (deleted or renamed) is
+        refused too: the update would fail on it, after the groups before it.
         """
         if type(self)._init_slots is Optimizer._init_slots:
             return dict.fromkeys(found)
@@ -1249,7 +1260,7 @@ class Optimizer(torch.optim.Optimizer):
         state = self.state
         cls = type(self).__name__
         as_kept = self._slot_dicts_as_kept(grouped)
-        records: dict[int, _SameMeta | None] = {}
+        records: dict[int, _SlotRecord | None] = {}
         for gi, (params, kind) in found.items():
             shape_list = shapes[gi] if gi in shapes else list(map(_SHAPE_OF, params))
             if kind is not None:
@@ -1259,14 +1270,13 @@ class Optimizer(torch.optim.Optimizer):
                 key = (None, list(map(id, params)), shape_list, *each)
             last = seen.get(gi)
             if last is not None and last[1] is not None and as_kept is not None and last[0] == key:
-                # (A value that is not a tensor fails the check, and the slots are read below.)
-                slots = list(itertools.chain.from_iterable(map(dict.values, filter(None, as_kept[gi]))))
-                if last[1].holds(slots):
+                if last[1].holds(as_kept[gi]):
                     records[gi] = last[1]
                     continue
-            slots = []
+            slots, dicts = [], []
             for p in params:
                 slot_dict = state.get(p, {})
+                dicts.append(slot_dict)
                 # (Slots a group option adds, such as RMSProp's "mg", are left to _create_slots.)
                 absent = [name for name in self._slots if name not in slot_dict] if slot_dict else []
                 if absent:
@@ -1296,7 +1306,7 @@ class Optimizer(torch.optim.Optimizer):
                             "the variables' dtypes and devices"
                         )
                     slots.append(slot)
-            record = _SameMeta.of(slots) if slots else None
+            record = _SlotRecord.of(slots, dicts) if slots else None
             seen[gi] = (key, record)
             if record is not None or not slots:
                 records[gi] = record
@@ -1426,6 +1436,8 @@ class Optimizer(torch.optim.Optimizer):
         ``census_of``: per group, the kept metadata that step()'s census found them to
         have (see :meth:`_census`).
         """
+        # (What a step did is kept only once it has been done; see _StepReplay.)
+        self.__dict__.pop("_step_replay", None)
         self._sync_aliases()
         cls = type(self).__name__
         # One pass over the pairs: dense ones into (device, dtype) buckets of parameters and
@@ -1492,6 +1504,15 @@ class Optimizer(torch.optim.Optimizer):
             if census_of and _own_update(type(self)) and not _any_callable(self.param_groups, self._hypers)
             else {}
         )
+        calls = (
+            []
+            if len(census_of) == len(self.param_groups)
+            and not sparse
+            and not sharded
+            and _StepReplay.may_follow(self, dense, in_pair_order, slot_records)
+            else None
+        )
+        recording = None if calls is None else _FUSED_CALLS.set(calls)
         # (Not under the caller's torch.compile, where the rules run as the loop.)
         rows_fit = None if torch.compiler.is_compiling() else _ROWS_FIT.set(True)
         try:
@@ -1537,9 +1558,15 @@ class Optimizer(torch.optim.Optimizer):
                 self._finish(group, non_slot, values)
                 group.update(non_slot)
                 self._mark_written(gi, group)
+            if calls is not None:
+                replay = _StepReplay.of(self, calls, lists or {}, census_of, slot_records, slots_of)
+                if replay is not None:
+                    self.__dict__["_step_replay"] = replay
         finally:
             if rows_fit is not None:
                 _ROWS_FIT.reset(rows_fit)
+            if recording is not None:
+                _FUSED_CALLS.reset(recording)
 
 
 @functools.cache
@@ -1548,6 +1575,212 @@ def _own_update(cls: type) -> bool:
     user subclass whose update or slot creation could replace a gradient)."""
     mro = cls.__mro__
     return all(c.__module__.startswith("torchgrad_compat.") for c in mro[: mro.index(Optimizer)])
+
+
+class _ReplayedGroup(NamedTuple):
+    """What :class:`_StepReplay` keeps of one param group."""
+
+    group: dict[str, Any]
+    keys: list[Any]
+    values: list[Any]
+    everyone: list[Tensor]  # the group's parameters, as listed
+    has_grad: list[bool]  # whether each had a gradient
+    params: list[Tensor]  # those that had one: the ones updated
+    census: _SameMeta  # of the updated parameters and their gradients
+    slot_record: _SlotRecord | None
+    dicts: list[dict[str, Any]]  # the updated parameters' slot dicts
+    names: list[str | None]  # the slot in each slot list of the call (None: an empty list)
+    kernel: _FusedKernel
+    plan: _FusedPlan
+    scalars: dict[str, Any]
+    versions: list[tuple[Tensor, int]]  # the scalars' tensors, and their versions then
+
+
+class _StepReplay:
+    """The kernel calls of a fused ``step()``, made again by the next ``step()`` while everything
+    that decided them is as it was.
+
+    A training loop's steps differ in the values of the gradients, parameters and
+    slots, and in nothing a step's checks and decisions read: the groups, their
+    hyperparameters, which tensors are updated and their metadata. On a CPU whose
+    caches the backward pass has filled with other data, those checks (the group
+    dicts, the hyperparameters' ranges, the state's slots, the fused plan and
+    kernel lookups: some forty Python functions) cost about as much as the
+    kernels over a million parameters. A step replayed reads the gradients,
+    checks that the same parameters have one, that those and their gradients have
+    the metadata the last step found (:class:`_SameMeta`, one call), that each
+    group dict holds the very objects it held then (values that cannot change in
+    place: numbers, flags, strings; the same parameters in the same order), that
+    ``state`` holds the same slot dicts with slots of the same names and metadata
+    (:class:`_SlotRecord`), and that the hyperparameter tensors were not written in
+    place; then it makes the same kernel calls over this step's tensors (a slot
+    replaced in its dict is read where it is now). Any difference, or any mode that
+    changes how a step runs (``torch.compile``, inference mode, a dispatch mode or
+    functorch transform, a wrapper's ``_gradients_checked``), and the step takes
+    the whole path, which makes a new record or none.
+
+    Recorded only where that path depends on nothing else: a step's census found
+    each group's parameters and gradients (dense, of one device, the CPU, and one
+    dtype, not half) and its check of the slots found them, ``fused`` is on, the
+    rule keeps no optimizer-wide state (Adam's beta powers are new tensors at every
+    step) and is this package's own, and its kernel's scalars are hyperparameters
+    made by :func:`_number_tensor` (rules that compute a scalar at each step, such
+    as RMSProp's ``1 - decay``, make a new tensor and are not replayed).
+    """
+
+    __slots__ = ("_groups", "_state_keys", "_state_values")
+
+    def __init__(self, groups: list[_ReplayedGroup], state_keys: list[Any], state_values: list[Any]):
+        self._groups, self._state_keys, self._state_values = groups, state_keys, state_values
+
+    @staticmethod
+    def may_follow(
+        optimizer: Optimizer,
+        dense: dict[int, dict[tuple[torch.device, torch.dtype], tuple[list[Tensor], list[Tensor]]]],
+        in_pair_order: set[int],
+        slot_records: dict[int, _SlotRecord | None],
+    ) -> bool:
+        """Whether a step over these groups (each with its one bucket) may be recorded for
+        replay: see the class docstring."""
+        cls = type(optimizer)
+        has_slots = cls._init_slots is not Optimizer._init_slots
+        if (
+            optimizer._non_slot_keys
+            or cls._finish is not Optimizer._finish
+            or cls._sync_aliases is not Optimizer._sync_aliases
+        ):
+            return False
+        for gi, group in enumerate(optimizer.param_groups):
+            buckets = dense.get(gi)
+            if (
+                buckets is None
+                or gi not in in_pair_order
+                or not group.get("fused")
+                # (A rule with slots needs their record: none is made at the step that makes them.)
+                or gi not in slot_records
+                or (slot_records[gi] is not None) != has_slots
+            ):
+                return False
+            ((device, dtype),) = buckets
+            if device.type != "cpu" or dtype in _HALF_DTYPES:
+                return False
+            if not all(type(v) in _REPLAYABLE_VALUES for k, v in group.items() if k != "params"):
+                return False
+        return True
+
+    @classmethod
+    def of(
+        cls,
+        optimizer: Optimizer,
+        calls: list[Any],
+        lists: dict[int, tuple[list[Tensor], list[Tensor]]],
+        census_of: dict[int, _SameMeta],
+        slot_records: dict[int, _SlotRecord | None],
+        slots_of: dict[int, list[dict[str, Any]]],
+    ) -> _StepReplay | None:
+        """The record of the step just taken, whose fused calls were ``calls`` (one per group, in
+        order), or None where a call cannot be derived again from the groups and slots alone."""
+        groups = optimizer.param_groups
+        if len(calls) != len(groups) or any(call is None for call in calls):
+            return None
+        kept_numbers = {id(t) for t, _ in _NUMBER_TENSORS.values()}
+        records = []
+        for gi, (group, (kernel, plan, rows, scalars)) in enumerate(zip(groups, calls, strict=True)):
+            params, grads = lists[gi]
+            everyone = list(group["params"])
+            has_grad = list(map(operator.is_not, map(_GRAD_OF, everyone), itertools.repeat(None)))
+            if not (
+                _same_objects(list(itertools.compress(everyone, has_grad)), params)
+                and _same_objects(rows[0], params)
+                and _same_objects(rows[1], grads)
+            ):
+                return None
+            dicts = slots_of.get(gi, [])
+            names: list[str | None] = []
+            for slots in rows[2:]:
+                if not slots:  # (a slot the group's options leave out, RMSProp's "mg")
+                    names.append(None)
+                    continue
+                # (The one name it is under: a tensor under two names could be either's.)
+                found = [n for n, t in dicts[0].items() if t is slots[0]] if dicts else []
+                if len(found) != 1 or not _same_objects(slots, [d[found[0]] for d in dicts]):
+                    return None
+                names.append(found[0])
+            versions = []
+            for value in scalars.values():
+                if isinstance(value, Tensor):
+                    if id(value) not in kept_numbers:
+                        return None
+                    versions.append((value, value._version))
+                elif type(value) not in _REPLAYABLE_VALUES:
+                    return None
+            records.append(
+                _ReplayedGroup(
+                    group,
+                    list(group),
+                    list(group.values()),
+                    everyone,
+                    has_grad,
+                    list(params),
+                    census_of[gi],
+                    slot_records[gi],
+                    dicts,
+                    names,
+                    kernel,
+                    plan,
+                    scalars,
+                    versions,
+                )
+            )
+        state = optimizer.state
+        return cls(records, list(state), list(state.values()))
+
+    def run(self, optimizer: Optimizer) -> bool:
+        """Take the step as recorded if everything it depends on is as it was; else change nothing
+        and return False."""
+        if (
+            torch.compiler.is_compiling()
+            or torch.is_inference_mode_enabled()
+            or torch._C._len_torch_dispatch_stack()
+            or torch._C._functorch.peek_interpreter_stack() is not None
+        ):
+            return False
+        groups, state = optimizer.param_groups, optimizer.state
+        if (
+            len(groups) != len(self._groups)
+            or len(state) != len(self._state_keys)
+            or not all(map(operator.is_, state, self._state_keys))
+            or not all(map(operator.is_, state.values(), self._state_values))
+        ):
+            return False
+        calls = []
+        for group, kept in zip(groups, self._groups, strict=True):
+            if (
+                group is not kept.group
+                or list(group) != kept.keys
+                or not _same_objects(list(group.values()), kept.values)
+                or not _same_objects(group["params"], kept.everyone)
+                or kept.plan.chunk_size != FUSED_CHUNK
+            ):
+                return False
+            grads = list(map(_GRAD_OF, kept.everyone))
+            has_grad = list(map(operator.is_not, grads, itertools.repeat(None)))
+            if has_grad != kept.has_grad:
+                return False
+            if len(kept.params) != len(grads):
+                grads = list(itertools.compress(grads, has_grad))
+            params, dicts, slot_record = kept.params, kept.dicts, kept.slot_record
+            if not kept.census.holds([*params, *grads]):
+                return False
+            if slot_record is not None and not slot_record.holds(dicts):
+                return False
+            if not all(t._version == v for t, v in kept.versions):
+                return False
+            slots = [list(map(operator.itemgetter(name), dicts)) if name else [] for name in kept.names]
+            calls.append((kept.plan, kept.kernel, (params, grads, *slots), kept.scalars))
+        for plan, kernel, lists, scalars in calls:
+            plan.call(kernel, lists, scalars)
+        return True
 
 
 def _any_callable(groups: list[dict[str, Any]], hypers: tuple[Hyper | Flag, ...]) -> bool:
@@ -1691,6 +1924,9 @@ def _run_fused(single: Callable[..., None], *lists: list[Tensor], **scalars: Any
             raise ValueError(
                 f"fused update: {name} must be a tensor of one element, got shape {tuple(value.shape)}"
             )
+    calls = _FUSED_CALLS.get()
+    if calls is not None:
+        calls.append(None)  # (replaced below where the step can be replayed)
     if torch.compiler.is_compiling() or torch.is_grad_enabled():
         # The kernels are compiled for no_grad (as optimizers step). With grad mode on, the
         # functional form does what the loop does: refuse in-place updates of leaves that
@@ -1712,6 +1948,8 @@ def _run_fused(single: Callable[..., None], *lists: list[Tensor], **scalars: Any
             graph.replay(scalars)
             return
     plan.call(kernel, lists, scalars)
+    if calls is not None and plan.as_they_are:
+        calls[-1] = (kernel, plan, lists, scalars)
 
 
 def _distinct_scalars(scalars: dict[str, Any]) -> dict[str, Any]:
@@ -2235,7 +2473,7 @@ class _FusedPlan:
         self.found_for: tuple[_SameMeta | None, bool] = (None, True)
         # Where step() had checked the parameters, gradients and slots then: the kept metadata
         # its census found them to have, and that its check of the slots found (see _CENSUS_HELD).
-        self.found_with: tuple[_SameMeta, _SameMeta | None] | None = None
+        self.found_with: tuple[_SameMeta, _SlotRecord | None] | None = None
 
     def call(self, kernel: _FusedKernel, lists: tuple[list[Tensor], ...], scalars: dict[str, Any]) -> None:
         """Run ``kernel`` over every chunk: one step of the update for the kernel's rows.
@@ -2440,7 +2678,7 @@ class _FusedPlan:
         lists: tuple[list[Tensor], ...],
         kept: list[list[Tensor]],
         in_step: bool,
-        held: tuple[_SameMeta, list[Tensor], list[Tensor], _SameMeta | None] | None,
+        held: tuple[_SameMeta, list[Tensor], list[Tensor], _SlotRecord | None] | None,
     ) -> bool:
         """Whether every tensor of ``lists`` is as when :meth:`of` last found this plan to hold,
         without reading each one's properties in Python (:class:`_SameMeta`).
@@ -3195,6 +3433,31 @@ class _SameMeta:
 
     def holds(self, tensors: Sequence[Tensor]) -> bool:
         return len(tensors) == self._count and bool(self._check(*tensors))
+
+
+class _SlotRecord:
+    """What a check of a group's slots found: each parameter's slot names, in its dict's order,
+    and their metadata (:class:`_SameMeta`)."""
+
+    __slots__ = ("_meta", "_names")
+
+    def __init__(self, meta: _SameMeta, names: list[str]):
+        self._meta, self._names = meta, names
+
+    @classmethod
+    def of(cls, slots: list[Tensor], dicts: list[dict[str, Any]]) -> _SlotRecord | None:
+        """The record of ``slots``, every tensor of the slot ``dicts`` in their order."""
+        meta = _SameMeta.of(slots)
+        return None if meta is None else cls(meta, list(itertools.chain.from_iterable(dicts)))
+
+    def holds(self, dicts: list[dict[str, Any] | None]) -> bool:
+        """Whether the slot dicts (of the group's parameters, in order; None or empty for one that
+        has none) hold slots of the very names and metadata found then (a value that is not a
+        tensor fails the check)."""
+        present = list(filter(None, dicts))
+        return list(itertools.chain.from_iterable(present)) == self._names and self._meta.holds(
+            list(itertools.chain.from_iterable(map(dict.values, present)))
+        )
 
 
 @functools.cache
