@@ -369,8 +369,17 @@ def _number_tensor(value: float, dtype: torch.dtype, device: torch.device) -> Te
     if type(made) is Tensor and made.device == device and not torch.is_inference_mode_enabled():
         if len(_NUMBER_TENSORS) >= _NUMBER_TENSORS_LIMIT:
             _NUMBER_TENSORS.clear()  # (a learning-rate schedule makes new numbers at every step)
+            _NUMBER_TENSORS_BY_ID.clear()
+        elif kept is not None:
+            _NUMBER_TENSORS_BY_ID.pop(id(kept[0]), None)
         _NUMBER_TENSORS[key] = (made, made._version)
+        _NUMBER_TENSORS_BY_ID[id(made)] = made
     return made
+
+
+def _is_kept_number(value: Any) -> bool:
+    """Whether ``value`` is a tensor :func:`_number_tensor` keeps (whatever it holds now)."""
+    return _NUMBER_TENSORS_BY_ID.get(id(value)) is value
 
 
 def _float32_number(value: float, device: torch.device) -> Tensor:
@@ -380,6 +389,8 @@ def _float32_number(value: float, device: torch.device) -> Tensor:
 # The CPU tensors _number_tensor made, and their versions then, by the number's type, value and
 # sign, and the dtype.
 _NUMBER_TENSORS: dict[tuple[type, Any, float, torch.dtype], tuple[Tensor, int]] = {}
+# The same tensors by id (see _is_kept_number).
+_NUMBER_TENSORS_BY_ID: dict[int, Tensor] = {}
 _NUMBER_TENSORS_LIMIT = 1024
 _CPU = torch.device("cpu")
 
@@ -1683,7 +1694,6 @@ class _StepReplay:
         groups = optimizer.param_groups
         if len(calls) != len(groups) or any(call is None for call in calls):
             return None
-        kept_numbers = {id(t) for t, _ in _NUMBER_TENSORS.values()}
         records = []
         for gi, (group, (kernel, plan, rows, scalars)) in enumerate(zip(groups, calls, strict=True)):
             params, grads = lists[gi]
@@ -1709,7 +1719,7 @@ class _StepReplay:
             versions = []
             for value in scalars.values():
                 if isinstance(value, Tensor):
-                    if id(value) not in kept_numbers:
+                    if not _is_kept_number(value):
                         return None
                     versions.append((value, value._version))
                 elif type(value) not in _REPLAYABLE_VALUES:
