@@ -353,12 +353,7 @@ def _number_tensor(value: float, dtype: torch.dtype, device: torch.device) -> Te
     stream and read on another needs synchronisation a cache cannot give
     (and XLA's tensors are lazy).
     """
-    if (
-        device != _CPU
-        or torch.compiler.is_compiling()
-        or torch._C._len_torch_dispatch_stack()
-        or torch._C._functorch.peek_interpreter_stack() is not None
-    ):
+    if device != _CPU or _tracing_or_transforming():
         return _float32_number(value, device).to(dtype)
     # -0.0 == 0.0, but their tensors differ in sign; 2**64 (an int) is refused where 2.0**64 is not.
     key = (type(value), value, math.copysign(1.0, value), dtype)
@@ -380,6 +375,16 @@ def _number_tensor(value: float, dtype: torch.dtype, device: torch.device) -> Te
 def _is_kept_number(value: Any) -> bool:
     """Whether ``value`` is a tensor :func:`_number_tensor` keeps (whatever it holds now)."""
     return _NUMBER_TENSORS_BY_ID.get(id(value)) is value
+
+
+def _tracing_or_transforming() -> bool:
+    """Whether ops run under ``torch.compile``'s tracing, a dispatch mode (fake or meta tensors) or
+    a functorch transform (whose tensors are wrappers)."""
+    return (
+        torch.compiler.is_compiling()
+        or bool(torch._C._len_torch_dispatch_stack())
+        or torch._C._functorch.peek_interpreter_stack() is not None
+    )
 
 
 def _float32_number(value: float, device: torch.device) -> Tensor:
@@ -1223,12 +1228,7 @@ class Optimizer(torch.optim.Optimizer):
             return None
         keys, values, params_of, found = kept
         state = self.state
-        if (
-            len(state) != len(keys)
-            or not all(map(operator.is_, state, keys))
-            or not all(map(operator.is_, state.values(), values))
-            or params_of.keys() != grouped.keys()
-        ):
+        if not _same_entries(state, keys, values) or params_of.keys() != grouped.keys():
             return None
         for gi, pairs in grouped.items():
             if not _same_objects(list(map(_SECOND, pairs)), params_of[gi]):
@@ -1748,19 +1748,11 @@ class _StepReplay:
     def run(self, optimizer: Optimizer) -> bool:
         """Take the step as recorded if everything it depends on is as it was; else change nothing
         and return False."""
-        if (
-            torch.compiler.is_compiling()
-            or torch.is_inference_mode_enabled()
-            or torch._C._len_torch_dispatch_stack()
-            or torch._C._functorch.peek_interpreter_stack() is not None
-        ):
+        if torch.is_inference_mode_enabled() or _tracing_or_transforming():
             return False
-        groups, state = optimizer.param_groups, optimizer.state
-        if (
-            len(groups) != len(self._groups)
-            or len(state) != len(self._state_keys)
-            or not all(map(operator.is_, state, self._state_keys))
-            or not all(map(operator.is_, state.values(), self._state_values))
+        groups = optimizer.param_groups
+        if len(groups) != len(self._groups) or not _same_entries(
+            optimizer.state, self._state_keys, self._state_values
         ):
             return False
         calls = []
@@ -2295,6 +2287,15 @@ else:  # torch 2.4 takes one tensor a call
 
 def _same_objects(a: list[Any], b: list[Any]) -> bool:
     return len(a) == len(b) and all(map(operator.is_, a, b))
+
+
+def _same_entries(mapping: dict[Any, Any], keys: list[Any], values: list[Any]) -> bool:
+    """Whether ``mapping`` holds the very ``keys`` and ``values``, in that order (by identity, in C)."""
+    return (
+        len(mapping) == len(keys)
+        and all(map(operator.is_, mapping, keys))
+        and all(map(operator.is_, mapping.values(), values))
+    )
 
 
 def _same_arguments(seen: list[Any], given: list[Any]) -> bool:
