@@ -31,6 +31,7 @@ from torch._dynamo.utils import counters
 
 import torchgrad_compat.optim as tgo
 import torchgrad_compat.optim._base as optim_base
+from torchgrad_compat.amp import DynamicLossScale, LossScaleOptimizer
 
 ALL_CONFIGS = [(spec, cid) for spec in SPECS for cid in spec.configs]
 ALL_IDS = [f"{spec.name.removesuffix('Optimizer')}-{cid}" for spec, cid in ALL_CONFIGS]
@@ -213,20 +214,27 @@ def test_a_training_loop_step_checks_each_parameter_and_gradient_once(monkeypatc
     assert checked == [2 * len(params), len(params), 3 * len(params)]
 
 
-def _six_steps(spec: OptimSpec, cid: str) -> list[torch.Tensor]:
+def _six_steps(spec: OptimSpec, cid: str, scale: float | None = None) -> list[torch.Tensor]:
     """Six fused steps of a training loop (new gradients, or written in place; one parameter
-    frozen, without a gradient): every parameter and slot after them."""
+    frozen, without a gradient): every parameter and slot after them. ``scale``: inside a
+    ``LossScaleOptimizer`` with a dynamic scale starting there, the gradients scaled by it (a
+    power of two, which stays the scale over six steps)."""
     gen = torch.Generator().manual_seed(0)
     params = [torch.nn.Parameter(torch.randn(s, generator=gen)) for s in SHAPES if s != (1,)]
     frozen = torch.nn.Parameter(torch.randn(6, generator=gen), requires_grad=False)
     opt = spec.make([*params[:2], frozen, *params[2:]], cid, fused=True)
+    if scale is not None:
+        opt = LossScaleOptimizer(opt, DynamicLossScale(scale))
     for step in range(6):
         for p in params:
-            g = torch.randn(p.shape, generator=gen)
+            g = torch.randn(p.shape, generator=gen) * (scale or 1.0)
             if p.grad is None or step % 2:
                 p.grad = g
             else:
                 p.grad.copy_(g)
+        if scale is not None:
+            # (step() asks for a backward pass through get_scaled_loss since the last one.)
+            opt.get_scaled_loss(torch.zeros((), requires_grad=True)).backward()
         opt.step()
     params.append(frozen)
     return [p.detach().clone() for p in params] + [s.clone() for p in params for s in opt.state[p].values()]
@@ -251,14 +259,22 @@ def test_a_replayed_step_ends_as_the_whole_path(monkeypatch, spec: OptimSpec, ci
     ],
     ids=lambda v: v if isinstance(v, str) else v.name.removesuffix("Optimizer"),
 )
-def test_a_training_loop_takes_the_whole_path_twice_then_replays(monkeypatch, spec: OptimSpec, cid: str):
+@pytest.mark.parametrize("scale", [None, 2.0**10], ids=["bare", "loss_scaled"])
+def test_a_training_loop_takes_the_whole_path_twice_then_replays(
+    monkeypatch, spec: OptimSpec, cid: str, scale: float | None
+):
     """The step that makes the slots takes the whole path, the next one too (its slots were not
-    there to be checked) and is recorded; the following steps replay it."""
+    there to be checked) and is recorded; the following steps replay it. Also inside a
+    LossScaleOptimizer, which checks and unscales the gradients first; the replayed steps end
+    bitwise as steps that take the whole path."""
     whole = []
     apply = optim_base.Optimizer._apply
     monkeypatch.setattr(optim_base.Optimizer, "_apply", lambda self, *a: whole.append(1) or apply(self, *a))
-    _six_steps(spec, cid)
+    replayed = _six_steps(spec, cid, scale)
     assert len(whole) == (2 if spec.slots else 1)
+    monkeypatch.setattr(optim_base._StepReplay, "of", classmethod(lambda cls, *args: None))
+    assert all(torch.equal(a, b) for a, b in zip(replayed, _six_steps(spec, cid, scale), strict=True))
+    assert len(whole) == (2 if spec.slots else 1) + 6
 
 
 @pytest.mark.parametrize("path", [{"fused": True}, {"foreach": False}], ids=["fused", "loop"])
@@ -1131,8 +1147,6 @@ def test_fused_resumes_bitwise_from_a_state_dict():
 
 
 def test_loss_scale_optimizer_around_a_fused_optimizer_skips_and_applies_as_the_loop():
-    from torchgrad_compat.amp import DynamicLossScale, LossScaleOptimizer
-
     results = []
     for path in ({"fused": True}, {"foreach": False}):
         w = torch.nn.Parameter(torch.linspace(-1, 1, 40))

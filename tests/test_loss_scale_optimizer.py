@@ -1049,20 +1049,31 @@ def test_apply_gradients_refuses_a_misfit_gradient_before_the_scale_changes(
     assert int(global_step) == 0
 
 
+@pytest.mark.parametrize("fused", [False, True], ids=["loop", "fused"])
+@pytest.mark.parametrize("steps_before", [0, 3])
 @pytest.mark.parametrize(("grad", "exception", "words"), MISFIT_GRADS[:4])
 def test_step_refuses_a_misfit_p_grad_before_anything_changes(
-    grad: Tensor, exception: type[Exception], words: str
+    grad: Tensor, exception: type[Exception], words: str, steps_before: int, fused: bool
 ) -> None:
     """torch checks ``p.grad = ...`` but not ``p.grad.data = ...``: step() checks every p.grad
-    before unscaling any, so the other gradients, the scale and the parameters stay as they were."""
+    before unscaling any, so the other gradients, the scale and the parameters stay as they were.
+    Also after steps whose gradients fitted (what the checks found is kept between steps, and a
+    fused step is then replayed)."""
     v, w = nn.Parameter(torch.ones(3)), nn.Parameter(torch.tensor([1.0, 2.0]))
-    opt = LossScaleOptimizer(tgo.GradientDescentOptimizer([v, w], 0.5), DynamicLossScale(8.0, 10))
+    inner = tgo.GradientDescentOptimizer([v, w], 0.5, fused=fused)
+    opt = LossScaleOptimizer(inner, DynamicLossScale(8.0, 10))
+    for _ in range(steps_before):
+        opt.zero_grad()
+        opt.get_scaled_loss(v.sum() * 0.0 + w.sum() * 0.0).backward()
+        opt.step()
+    assert int(opt.loss_scale.good_steps) == steps_before
+    opt.zero_grad()
     opt.get_scaled_loss(v.sum() + w.sum()).backward()
     w.grad.data = grad.clone()
     with pytest.raises(exception, match=words):
         opt.step()
     assert torch.equal(v.grad, torch.full((3,), 8.0))  # not unscaled
-    assert float(opt.loss_scale()) == 8.0 and int(opt.loss_scale.good_steps) == 0
+    assert float(opt.loss_scale()) == 8.0 and int(opt.loss_scale.good_steps) == steps_before
     assert torch.equal(v.detach(), torch.ones(3)) and torch.equal(w.detach(), torch.tensor([1.0, 2.0]))
 
 

@@ -24,8 +24,8 @@ from ..optim._base import (
     _describe,
     _grads_fit,
     _is_expanded,
+    _kept_census,
     _no_step_pre_hooks,
-    _shared_kind,
 )
 from ..optim._wrapper import OptimizerWrapper
 from .loss_scale import LossScale, as_loss_scale, found_non_finite
@@ -345,7 +345,9 @@ class LossScaleOptimizer(OptimizerWrapper):
         # One cheap pass for the usual case (dense, contiguous, fitting its parameter, all of one
         # device and dtype); the parameter-by-parameter checks, which name what is wrong, run only
         # when it fails.
-        kind = None if compiling else _shared_kind(every_grad, present)
+        # (Kept from the last step while every parameter and gradient has the metadata it had then.)
+        kept = self.__dict__.setdefault("_census_kept", {})
+        kind = None if compiling else _kept_census(kept, 0, present, every_grad)[1]
         fit = kind is not None or _grads_fit(every_grad, present)
         usual = fit and all(map(Tensor.is_contiguous, grads))
         if not usual:

@@ -797,8 +797,8 @@ class Optimizer(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        # (A wrapper that checked the gradients itself, or DCP's first step, take the whole path.)
-        replay = None if self._grads_checked else self.__dict__.get("_step_replay")
+        # (DCP's first step takes the whole path.)
+        replay = self.__dict__.get("_step_replay")
         if replay is not None and not _called_from_dcp_init() and replay.run(self):
             return loss
         grouped: dict[int, list[tuple[Tensor, Tensor]]] = {}
@@ -808,7 +808,7 @@ class Optimizer(torch.optim.Optimizer):
         census_of: dict[int, _SameMeta] = {}
         checked = self._grads_checked
         compiling = torch.compiler.is_compiling()
-        census = not checked and not compiling
+        census = not compiling
         for gi, group in enumerate(self.param_groups):
             params = group["params"]
             # (Dynamo traces a comprehension, and breaks the graph at `map` over attrgetter.)
@@ -826,17 +826,20 @@ class Optimizer(torch.optim.Optimizer):
             # the usual case, and tells _apply the one device and dtype it updates; each
             # gradient is checked, with a named error, only when it fails (and for sparse
             # gradients, whose rows must be checked).
-            if checked:
-                if isinstance(checked, tuple):
-                    kinds[gi] = checked
-                continue
             if census:
-                # (Read once: the check of the slots compares them with the last step's.)
+                # (Read once: the check of the slots compares them with the last step's.) Also
+                # after a wrapper's check: what it keeps lets the next step be replayed.
                 shapes[gi], kind, same = self._census(gi, params, grads)
                 if same is not None:
                     census_of[gi] = same
             else:
                 kind = None
+            if checked:
+                if kind is None and isinstance(checked, tuple):
+                    kinds[gi] = checked
+                elif census:
+                    kinds[gi] = kind
+                continue
             if kind is None and not _grads_fit(grads, params):
                 for g, p in grouped[gi]:
                     _check_grad(type(self).__name__, g, p)
@@ -858,15 +861,7 @@ class Optimizer(torch.optim.Optimizer):
         Kept from the last step when every parameter and gradient has the metadata
         it had then (:class:`_SameMeta`): a training loop's do, step after step.
         """
-        kept = self.__dict__.setdefault("_census_kept", {})
-        found = kept.get(index)
-        if found is not None and found[0].holds([*params, *grads]):
-            return found[1], found[2], found[0]
-        shape_list = list(map(_SHAPE_OF, params))
-        kind = _shared_kind(grads, params, param_shapes=shape_list)
-        same = _SameMeta.of([*params, *grads]) if kind is not None else None
-        kept[index] = (same, shape_list, kind) if same is not None else None
-        return shape_list, kind, same
+        return _kept_census(self.__dict__.setdefault("_census_kept", {}), index, params, grads)
 
     @contextmanager
     def _gradients_checked(self, kind: tuple[torch.device, torch.dtype] | None = None) -> Iterator[None]:
@@ -878,6 +873,8 @@ class Optimizer(torch.optim.Optimizer):
         before it unscales in place; a second check costs about 0.5 ms per 1000
         gradients of host time. ``kind``: the device and dtype that the check found
         every parameter and gradient to have (see :func:`_shared_kind`), if one.
+        The step still compares its tensors with the metadata kept from the last
+        one (:meth:`_census`, one call), which is what lets it be replayed.
         """
         self._grads_checked = kind or True
         try:
@@ -1627,7 +1624,7 @@ class _StepReplay:
     place; then it makes the same kernel calls over this step's tensors (a slot
     replaced in its dict is read where it is now). Any difference, or any mode that
     changes how a step runs (``torch.compile``, inference mode, a dispatch mode or
-    functorch transform, a wrapper's ``_gradients_checked``), and the step takes
+    functorch transform), and the step takes
     the whole path, which makes a new record or none.
 
     Recorded only where that path depends on nothing else: a step's census found
@@ -1675,7 +1672,12 @@ class _StepReplay:
             ((device, dtype),) = buckets
             if device.type != "cpu" or dtype in _HALF_DTYPES:
                 return False
-            if not all(type(v) in _REPLAYABLE_VALUES for k, v in group.items() if k != "params"):
+            # (A wrapper's keys, such as the loss scale's state tensors, are not read by the rule.)
+            if not all(
+                type(v) in _REPLAYABLE_VALUES
+                for k, v in group.items()
+                if k != "params" and not k.startswith(_WRAPPER_KEY_PREFIXES)
+            ):
                 return False
         return True
 
@@ -3403,6 +3405,22 @@ def _shared_kind(
     if not checked and (set(map(_DEVICE_OF, grads)) != devices or set(map(_DTYPE_OF, grads)) != dtypes):
         return None
     return devices.pop(), dtypes.pop()
+
+
+def _kept_census(
+    kept: dict[Any, Any], key: Any, params: list[Tensor], grads: list[Tensor]
+) -> tuple[list[torch.Size], tuple[torch.device, torch.dtype] | None, _SameMeta | None]:
+    """The shapes of ``params`` and :func:`_shared_kind` of the pairs, and the metadata they were
+    found with, taken from ``kept[key]`` while every tensor has that metadata; else read again and
+    kept there (None where nothing can be kept)."""
+    found = kept.get(key)
+    if found is not None and found[0].holds([*params, *grads]):
+        return found[1], found[2], found[0]
+    shape_list = list(map(_SHAPE_OF, params))
+    kind = _shared_kind(grads, params, param_shapes=shape_list)
+    same = _SameMeta.of([*params, *grads]) if kind is not None else None
+    kept[key] = (same, shape_list, kind) if same is not None else None
+    return shape_list, kind, same
 
 
 class _SameMeta:
