@@ -597,6 +597,28 @@ def test_sparse_gradients_sharing_one_buffer_are_unscaled_once() -> None:
     assert float(opt.loss_scale()) == 2.0**15
 
 
+@pytest.mark.parametrize("fused", [False, True], ids=["loop", "fused"])
+def test_dense_gradients_that_are_views_of_one_buffer_are_unscaled_once(fused: bool) -> None:
+    """Views of one buffer side by side (as DDP's gradient buckets are) are unscaled as any others;
+    views that overlap, which unscaling in place would divide twice where they do, are refused
+    before anything changes."""
+    w, v = nn.Parameter(torch.zeros(4, 3)), nn.Parameter(torch.zeros(4, 3))
+    opt = LossScaleOptimizer(tgo.GradientDescentOptimizer([w, v], 1.0, fused=fused), 4.0)
+    for offset, overlap in ((12, False), (3, True)):
+        opt.get_scaled_loss(w.sum() + v.sum()).backward()
+        buffer = torch.full((12 + offset,), 4.0)
+        w.grad, v.grad = buffer[:12].view(4, 3), buffer[offset:].view(4, 3)
+        if overlap:
+            with pytest.raises(ValueError, match="parameter 0 and p.grad of parameter 1 share memory"):
+                opt.step()
+            assert torch.equal(buffer, torch.full((15,), 4.0))
+        else:
+            opt.step()
+            assert torch.equal(buffer, torch.ones(24))
+        assert torch.equal(w.detach(), torch.full((4, 3), -1.0)) and torch.equal(v.detach(), w.detach())
+        opt.zero_grad()
+
+
 @pytest.mark.parametrize("dense", [True, False], ids=["dense", "sparse"])
 def test_a_gradient_in_a_parameters_memory_is_refused(dense: bool) -> None:
     """Unscaling in place would divide the parameter itself, on a skipped step too."""

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import contextlib
+import itertools
+import operator
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any, ClassVar
 
@@ -33,6 +35,7 @@ from .loss_scale import LossScale, as_loss_scale, found_non_finite
 __all__ = ["LossScaleOptimizer"]
 
 _HALF_DTYPES = (torch.float16, torch.bfloat16)
+_NBYTES_OF = operator.attrgetter("nbytes")
 
 
 class LossScaleOptimizer(OptimizerWrapper):
@@ -694,13 +697,20 @@ def _every_state_exists(
 
 
 def _each_at_its_own_address(grads: list[Tensor], params: list[Tensor]) -> bool:
-    """Whether dense gradients start at distinct addresses, none of them a parameter's, or all have
-    none of their own (DTensors, whose local shards FSDP2 makes as views of one buffer that do not
-    overlap). 0.1 ms per 1000."""
-    addresses = set(map(Tensor.data_ptr, grads))
+    """Whether dense contiguous gradients of one device start at distinct addresses, none of them a
+    parameter's, and none reaches into the next (views of one buffer may not overlap: unscaling in
+    place would divide twice where they do), or all have none of their own (DTensors, whose local
+    shards FSDP2 makes as views of one buffer that do not overlap). 0.3 ms per 1000."""
+    starts = list(map(Tensor.data_ptr, grads))
+    addresses = set(starts)
     if addresses == {0}:
         return True
-    return len(addresses) == len(grads) and addresses.isdisjoint(map(Tensor.data_ptr, params))
+    if len(addresses) != len(grads) or not addresses.isdisjoint(map(Tensor.data_ptr, params)):
+        return False
+    # (Contiguous: each spans its nbytes from its start.)
+    spans = sorted(zip(starts, map(_NBYTES_OF, grads), strict=True))
+    ends = itertools.starmap(operator.add, spans)
+    return all(map(operator.le, ends, itertools.islice(map(operator.itemgetter(0), spans), 1, None)))
 
 
 def _each_memory_once(tensors: list[Tensor], names: list[str], params: list[Tensor]) -> list[Tensor]:
