@@ -5,7 +5,7 @@
     python scripts/bench_amp.py --workload 10M-1000 --inner 'AdamOptimizer (ours, fused)' 'torch Adam (fused)'
     python scripts/bench_amp.py --device cuda --workload 100M
 
-For every inner optimizer three copies of the same parameters take steps, each
+For every inner optimizer four copies of the same parameters take steps, each
 with its own copy of the same gradients:
 
 - bare: ``opt.step()`` on the gradients;
@@ -13,6 +13,9 @@ with its own copy of the same gradients:
   gradients times ``2**15`` (unscale in place with the fused check, update the
   scale on device, one host sync, the inner step; around torch's fused Adam no
   host sync: its kernel takes the non-finite flag and skips on device);
+- LossScaleOptimizer, fixed: ``LossScaleOptimizer(opt, 2**15).step()`` on the
+  same scaled gradients (no check; around this package's fused optimizers on the
+  CPU their kernels unscale in their own pass, elsewhere torch's unscale kernel);
 - GradScaler: ``scaler.step(opt); scaler.update()`` on the same scaled
   gradients (``torch.amp.GradScaler(init_scale=2**15)``).
 
@@ -78,6 +81,7 @@ class Row:
     inner: str
     bare: float
     loss_scale_optimizer: float
+    fixed: float
     grad_scaler: float
 
 
@@ -87,13 +91,15 @@ class Runner:
     def __init__(self, params: list[Tensor], grads: list[Tensor], factory: Factory, scaling: str):
         self.params = [p.clone().requires_grad_() for p in params]
         scale = 1.0 if scaling == "bare" else SCALE
+        self.loss_scaled = scaling.startswith("loss_scale_optimizer")
         self.saved = [g * scale for g in grads]
         for p, g in zip(self.params, self.saved):
             p.grad = g.clone()
         inner = factory(self.params)
         self.scaler = None
-        if scaling == "loss_scale_optimizer":
-            self.opt: torch.optim.Optimizer = LossScaleOptimizer(inner, "dynamic")
+        if self.loss_scaled:
+            loss_scale = SCALE if scaling.endswith("fixed") else "dynamic"
+            self.opt: torch.optim.Optimizer = LossScaleOptimizer(inner, loss_scale)
         else:
             self.opt = inner
             if scaling == "grad_scaler":
@@ -149,7 +155,8 @@ def time_steps(runners: list[Runner], warmup: int, repeats: int, device: torch.d
 def bench(name: str, params: list[Tensor], grads: list[Tensor], args: argparse.Namespace) -> Row:
     factory = INNER[name]
     runners = [
-        Runner(params, grads, factory, scaling) for scaling in ("bare", "loss_scale_optimizer", "grad_scaler")
+        Runner(params, grads, factory, scaling)
+        for scaling in ("bare", "loss_scale_optimizer", "loss_scale_optimizer_fixed", "grad_scaler")
     ]
     return Row(name, *time_steps(runners, args.warmup, args.repeats, args.device))
 
@@ -160,13 +167,15 @@ def format_table(rows: list[Row]) -> str:
         return f"**{text}**" if flag and t / bare - 1 > TARGET else text
 
     lines = [
-        "| inner optimizer | bare step | LossScaleOptimizer | overhead | GradScaler | overhead |",
-        "|---|---:|---:|---:|---:|---:|",
+        "| inner optimizer | bare step | LossScaleOptimizer | overhead | LossScaleOptimizer, fixed "
+        "| overhead | GradScaler | overhead |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for r in rows:
         lines.append(
             f"| {r.inner} | {r.bare:.2f} | {r.loss_scale_optimizer:.2f} "
-            f"| {overhead(r.loss_scale_optimizer, r.bare, flag=True)} | {r.grad_scaler:.2f} "
+            f"| {overhead(r.loss_scale_optimizer, r.bare, flag=True)} | {r.fixed:.2f} "
+            f"| {overhead(r.fixed, r.bare, flag=True)} | {r.grad_scaler:.2f} "
             f"| {overhead(r.grad_scaler, r.bare, flag=False)} |"
         )
     return "\n".join(lines)

@@ -214,17 +214,20 @@ def test_a_training_loop_step_checks_each_parameter_and_gradient_once(monkeypatc
     assert checked == [2 * len(params), len(params), 3 * len(params)]
 
 
-def _six_steps(spec: OptimSpec, cid: str, scale: float | None = None) -> list[torch.Tensor]:
+def _six_steps(
+    spec: OptimSpec, cid: str, scale: float | None = None, fixed: bool = False
+) -> list[torch.Tensor]:
     """Six fused steps of a training loop (new gradients, or written in place; one parameter
     frozen, without a gradient): every parameter and slot after them. ``scale``: inside a
-    ``LossScaleOptimizer`` with a dynamic scale starting there, the gradients scaled by it (a
-    power of two, which stays the scale over six steps)."""
+    ``LossScaleOptimizer`` with a dynamic scale starting there (a power of two, which stays the
+    scale over six steps) or, ``fixed``, that fixed scale, the gradients scaled by it; the
+    gradients after the last step are then returned too."""
     gen = torch.Generator().manual_seed(0)
     params = [torch.nn.Parameter(torch.randn(s, generator=gen)) for s in SHAPES if s != (1,)]
     frozen = torch.nn.Parameter(torch.randn(6, generator=gen), requires_grad=False)
     opt = spec.make([*params[:2], frozen, *params[2:]], cid, fused=True)
     if scale is not None:
-        opt = LossScaleOptimizer(opt, DynamicLossScale(scale))
+        opt = LossScaleOptimizer(opt, scale if fixed else DynamicLossScale(scale))
     for step in range(6):
         for p in params:
             g = torch.randn(p.shape, generator=gen) * (scale or 1.0)
@@ -237,7 +240,9 @@ def _six_steps(spec: OptimSpec, cid: str, scale: float | None = None) -> list[to
             opt.get_scaled_loss(torch.zeros((), requires_grad=True)).backward()
         opt.step()
     params.append(frozen)
-    return [p.detach().clone() for p in params] + [s.clone() for p in params for s in opt.state[p].values()]
+    slots = [s.clone() for p in params for s in opt.state[p].values()]
+    grads = [p.grad.clone() for p in params if scale is not None and p.grad is not None]
+    return [p.detach().clone() for p in params] + slots + grads
 
 
 @pytest.mark.parametrize(("spec", "cid"), ALL_CONFIGS, ids=ALL_IDS)
@@ -259,22 +264,42 @@ def test_a_replayed_step_ends_as_the_whole_path(monkeypatch, spec: OptimSpec, ci
     ],
     ids=lambda v: v if isinstance(v, str) else v.name.removesuffix("Optimizer"),
 )
-@pytest.mark.parametrize("scale", [None, 2.0**10], ids=["bare", "loss_scaled"])
+@pytest.mark.parametrize(
+    ("scale", "fixed"), [(None, False), (2.0**10, False), (1000.0, True)], ids=["bare", "dynamic", "fixed"]
+)
 def test_a_training_loop_takes_the_whole_path_twice_then_replays(
-    monkeypatch, spec: OptimSpec, cid: str, scale: float | None
+    monkeypatch, spec: OptimSpec, cid: str, scale: float | None, fixed: bool
 ):
     """The step that makes the slots takes the whole path, the next one too (its slots were not
     there to be checked) and is recorded; the following steps replay it. Also inside a
-    LossScaleOptimizer, which checks and unscales the gradients first; the replayed steps end
-    bitwise as steps that take the whole path."""
+    LossScaleOptimizer, which checks and unscales the gradients first (dynamic) or leaves that
+    to the kernels (fixed); the replayed steps end bitwise as steps that take the whole path."""
     whole = []
     apply = optim_base.Optimizer._apply
     monkeypatch.setattr(optim_base.Optimizer, "_apply", lambda self, *a: whole.append(1) or apply(self, *a))
-    replayed = _six_steps(spec, cid, scale)
+    replayed = _six_steps(spec, cid, scale, fixed)
     assert len(whole) == (2 if spec.slots else 1)
     monkeypatch.setattr(optim_base._StepReplay, "of", classmethod(lambda cls, *args: None))
-    assert all(torch.equal(a, b) for a, b in zip(replayed, _six_steps(spec, cid, scale), strict=True))
+    assert all(torch.equal(a, b) for a, b in zip(replayed, _six_steps(spec, cid, scale, fixed), strict=True))
     assert len(whole) == (2 if spec.slots else 1) + 6
+
+
+@pytest.mark.parametrize(("spec", "cid"), ALL_CONFIGS, ids=ALL_IDS)
+def test_a_fixed_loss_scale_is_unscaled_inside_the_fused_pass_bitwise(monkeypatch, spec: OptimSpec, cid: str):
+    """Inside a LossScaleOptimizer with a fixed scale, every rule's fused kernels multiply each
+    gradient by the float32 reciprocal of the scale in their own pass and write it back: the
+    parameters, slots and gradients end bitwise as after torch's check-and-unscale pass and the
+    same fused steps. (1000 is not a power of two: its reciprocal rounds.)"""
+    rules = []
+    unscaling = optim_base._unscaling
+    monkeypatch.setattr(optim_base, "_unscaling", lambda single: rules.append(single) or unscaling(single))
+    inside = _six_steps(spec, cid, 1000.0, fixed=True)
+    assert rules
+    rules.clear()
+    monkeypatch.setattr(LossScaleOptimizer, "_unscaled_inside", lambda self, *args: False)
+    apart = _six_steps(spec, cid, 1000.0, fixed=True)
+    assert not rules
+    assert all(torch.equal(a, b) for a, b in zip(inside, apart, strict=True))
 
 
 @pytest.mark.parametrize("path", [{"fused": True}, {"foreach": False}], ids=["fused", "loop"])

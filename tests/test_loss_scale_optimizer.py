@@ -42,6 +42,8 @@ TRAJECTORIES: list[dict[str, Any]] = json.loads((FIXTURES / "tf_loss_scale_optim
     "cases"
 ]
 MODES = ("minimize", "compute_apply", "step")
+# "step_fused": torch style around the fused optimizer (with a fixed scale its kernels unscale).
+TRAJECTORY_MODES = (*MODES, "step_fused")
 # DESIGN.md's float32 parity target. The scales are powers of two, so scaling and
 # unscaling are exact and the differences are the inner optimizers' own: measured,
 # 1.2e-7 absolute for Adam (one float32 ulp of var0, torch's sqrt), 1.5e-8 for
@@ -62,12 +64,12 @@ def _loss(case: dict[str, Any], params: list[Tensor], k: int) -> Tensor:
 
 def _run_trajectory(case: dict[str, Any], mode: str) -> tuple[list[dict[str, Any]], list[Tensor]]:
     params = [nn.Parameter(torch.tensor(init, dtype=torch.float32)) for init in case["init"]]
-    tf_style = mode != "step"
+    tf_style = mode not in ("step", "step_fused")
     global_step = torch.zeros((), dtype=torch.int64) if tf_style else None
     kwargs = dict(case["kwargs"])
     if case["optimizer"] == "AdagradDAOptimizer" and tf_style:
         kwargs["global_step"] = global_step  # TF's AdagradDA reads T = global_step + 1
-    inner = getattr(tgo, case["optimizer"])(params, **kwargs)
+    inner = getattr(tgo, case["optimizer"])(params, **kwargs, fused=mode == "step_fused" or None)
     scale_cls = {"DynamicLossScale": DynamicLossScale, "FixedLossScale": FixedLossScale}
     loss_scale = scale_cls[case["loss_scale"]["class"]](**case["loss_scale"]["kwargs"])
     opt = LossScaleOptimizer(inner, loss_scale)
@@ -98,7 +100,11 @@ def _run_trajectory(case: dict[str, Any], mode: str) -> tuple[list[dict[str, Any
 
 @pytest.mark.parametrize(
     ("case", "mode"),
-    [pytest.param(case, mode, id=f"{case['id']}-{mode}") for case in TRAJECTORIES for mode in MODES],
+    [
+        pytest.param(case, mode, id=f"{case['id']}-{mode}")
+        for case in TRAJECTORIES
+        for mode in TRAJECTORY_MODES
+    ],
 )
 def test_trajectory_matches_tensorflow(case: dict[str, Any], mode: str) -> None:
     ours, _ = _run_trajectory(case, mode)
@@ -888,14 +894,85 @@ def test_unscale_twice_raises_and_zero_grad_forgets() -> None:
     assert torch.equal(w.detach(), torch.full((2,), 0.5))
 
 
-def test_fixed_scale_applies_non_finite_gradients() -> None:
-    """TF-exact policy: a fixed scale never checks, so NaN is applied (the fixture shows TF doing it)."""
+@pytest.mark.parametrize("fused", [False, True], ids=["loop", "fused"])
+def test_fixed_scale_applies_non_finite_gradients(fused: bool) -> None:
+    """TF-exact policy: a fixed scale never checks, so NaN is applied (the fixture shows TF doing it),
+    also where the fused kernels unscale."""
     w = torch.ones(2, requires_grad=True)
-    opt = LossScaleOptimizer(tgo.GradientDescentOptimizer([w], 0.5), 4)
+    opt = LossScaleOptimizer(tgo.GradientDescentOptimizer([w], 0.5, fused=fused), 4)
     opt.get_scaled_loss((w * torch.tensor([1.0, NAN])).sum()).backward()
     opt.step()
     assert w[0].item() == 0.5 and math.isnan(w[1].item()) and float(opt.loss_scale()) == 4.0
     assert opt.variables() == []
+
+
+def _fixed_scale_on_fused_adam(scale: float = 1000.0) -> tuple[list[nn.Parameter], LossScaleOptimizer]:
+    gen = torch.Generator().manual_seed(5)
+    params = [nn.Parameter(torch.randn(n, generator=gen)) for n in (7, 40, 3)]
+    return params, LossScaleOptimizer(tgo.AdamOptimizer(params, learning_rate=0.1, fused=True), scale)
+
+
+def _scaled_grads(opt: LossScaleOptimizer, params: list[nn.Parameter], step: int) -> list[Tensor]:
+    opt.zero_grad()
+    gen = torch.Generator().manual_seed(step)
+    loss = sum((p * torch.randn(p.shape, generator=gen)).sum() for p in params)
+    opt.get_scaled_loss(loss).backward()
+    return [p.grad.clone() for p in params]
+
+
+def test_gradients_unscaled_inside_the_fused_pass_end_unscaled_with_new_versions() -> None:
+    """Where the fused kernels unscale (a fixed scale), p.grad ends divided by the scale, as after
+    the separate pass, and autograd's version counter of each gradient has moved (it was written
+    in place)."""
+    params, opt = _fixed_scale_on_fused_adam()
+    for step in range(3):
+        scaled = _scaled_grads(opt, params, step)
+        versions = [p.grad._version for p in params]
+        opt.step()
+        inv = torch.reciprocal(torch.tensor(1000.0))
+        assert all(torch.equal(p.grad, g * inv) for p, g in zip(params, scaled, strict=True))
+        assert all(p.grad._version > v for p, v in zip(params, versions, strict=True))
+
+
+@pytest.mark.parametrize("fails", ["before the kernels", "after the kernels"])
+def test_a_failed_step_whose_kernels_would_unscale_leaves_no_gradient_unscaled_twice(
+    monkeypatch, fails: str
+) -> None:
+    """A wrapped fused step that raises before its kernels ran leaves p.grad scaled: step() again
+    does what the failed call would have done. One that raises after (its gradients may be
+    unscaled, in part) makes the next step() ask for a new backward pass, rather than unscale
+    them again or apply them scaled. The scale stays as it was either way."""
+    params, opt = _fixed_scale_on_fused_adam()
+    reference, ref_opt = _fixed_scale_on_fused_adam()
+    for step in range(2):
+        _scaled_grads(ref_opt, reference, step)
+        ref_opt.step()
+    _scaled_grads(opt, params, 0)
+    opt.step()
+    scaled = _scaled_grads(opt, params, 1)
+    before = [p.detach().clone() for p in params]
+    if fails == "before the kernels":
+        opt.param_groups[0]["lr"] = math.nan
+        with pytest.raises(ValueError, match="learning_rate value: nan"):
+            opt.step()
+        assert all(torch.equal(p.grad, g) for p, g in zip(params, scaled, strict=True))
+        opt.param_groups[0]["lr"] = 0.1
+        opt.step()
+        assert all(torch.equal(p, r) for p, r in zip(params, reference, strict=True))
+    else:
+        finish = tgo.AdamOptimizer._finish
+
+        def fail(self: Any, *args: Any) -> None:
+            raise RuntimeError("failed after the kernels")
+
+        monkeypatch.setattr(tgo.AdamOptimizer, "_finish", fail)
+        with pytest.raises(RuntimeError, match="failed after the kernels"):
+            opt.step()
+        monkeypatch.setattr(tgo.AdamOptimizer, "_finish", finish)
+        assert not all(torch.equal(p, b) for p, b in zip(params, before, strict=True))
+        with pytest.raises(RuntimeError, match="get_scaled_loss"):
+            opt.step()
+    assert float(opt.loss_scale()) == 1000.0
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")

@@ -120,6 +120,25 @@ def test_train_script_resumes_bitwise(tmp_path: Path) -> None:
     assert all(torch.equal(whole["model"][k], resumed["model"][k]) for k in whole["model"])
 
 
+def test_amp_bench_smoke() -> None:
+    """scripts/bench_amp.py: a row per inner optimizer, with the bare step, both loss scales and
+    GradScaler."""
+    script = TRAIN.with_name("bench_amp.py")
+    inner = ["AdamOptimizer (ours, fused)", "torch Adam (fused)"]
+    args = ["--workload", "1M", "--warmup", "1", "--repeats", "2", "--inner", *inner]
+    result = subprocess.run(
+        [sys.executable, str(script), *args],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    overhead = r"\*{0,2}[+-][\d.]+%\*{0,2}"
+    rows = re.findall(rf"^\| (.+?) \| [\d.]+(?: \| [\d.]+ \| {overhead}){{3}} \|$", result.stdout, re.M)
+    assert rows == inner, result.stdout
+
+
 def test_amp_bench_checks_smoke() -> None:
     """scripts/bench_amp.py --checks: a time for each gradient pass, after the compiled read-only
     check was seen to catch an infinity (the script raises otherwise)."""

@@ -17,6 +17,7 @@ from ..optim._base import (
     _DEVICE_OF,
     _DTYPE_OF,
     _GRAD_OF,
+    _UNSCALING,
     LOSS_SCALE_KEY_PREFIX,
     Optimizer,
     _bytes_spanned,
@@ -28,6 +29,9 @@ from ..optim._base import (
     _is_expanded,
     _kept_census,
     _no_step_pre_hooks,
+    _number_tensor,
+    _own_update,
+    _Unscaling,
 )
 from ..optim._wrapper import OptimizerWrapper
 from .loss_scale import LossScale, as_loss_scale, found_non_finite
@@ -67,8 +71,13 @@ class LossScaleOptimizer(OptimizerWrapper):
       (``fused=True``) it does not synchronise at all: their kernels take the
       non-finite flag and skip on device (GradScaler's protocol), as soon as
       their state exists (Adam's, and SGD's with momentum, after their first
-      step); their step hooks then run on skipped steps too. To clip the
-      gradients, call ``opt.unscale_()`` first.
+      step); their step hooks then run on skipped steps too. With a fixed
+      scale, which checks nothing, around this package's optimizers with
+      ``fused=True`` (every group; dense float32 or float64 gradients on the
+      CPU, each in memory of its own) there is no pass of its own: the
+      optimizer's kernels multiply each gradient by :math:`1/S` in their pass,
+      write it back and use it, with the same numbers. To clip the gradients,
+      call ``opt.unscale_()`` first.
 
       ``step()`` and ``unscale_()`` raise unless a backward pass went through
       ``get_scaled_loss``'s result since the last update (several, when
@@ -244,7 +253,7 @@ class LossScaleOptimizer(OptimizerWrapper):
                 "LossScaleOptimizer.unscale_() has already been called since the last step() or "
                 "zero_grad(); the gradients are unscaled already"
             )
-        marks.found_inf, _ = self._unscale_grads("unscale_")
+        marks.found_inf, _, _ = self._unscale_grads("unscale_")
         marks.unscaled = True
 
     def step(self, closure: Callable[[], Any] | None = None) -> Any:
@@ -264,6 +273,10 @@ class LossScaleOptimizer(OptimizerWrapper):
         If the wrapped optimizer's ``step`` raises, the scale and its counter
         are restored and ``p.grad`` stays unscaled, as after ``unscale_()``:
         calling ``step()`` again does what the failed call would have done.
+        Where the wrapped optimizer's kernels unscale the gradients (a fixed
+        scale, see the class docstring), ``p.grad`` stays scaled if it raised
+        before they ran; if it raised after some did, some gradients may be
+        unscaled and the next ``step()`` asks for a new backward pass.
 
         Raises:
             RuntimeError: no parameter has a gradient, or no backward pass went
@@ -288,28 +301,45 @@ class LossScaleOptimizer(OptimizerWrapper):
             # Unscaled by this call (not by an earlier unscale_(), after which anything may
             # have replaced a gradient): every p.grad was just checked against its parameter.
             checked = not marks.unscaled
-            kind = None
+            kind = unscaling = None
             if checked:
-                marks.found_inf, kind = self._unscale_grads("step")
-                marks.unscaled = True
+                marks.found_inf, kind, unscaling = self._unscale_grads("step")
+                marks.unscaled = unscaling is None
             found_inf = marks.found_inf
-            with self._scale_restored_on_error():
-                if found_inf is not None and _skips_on_device(self._optimizer):
-                    self._advance(found_inf)
-                    self._step_skipping_on_device(found_inf)
-                elif self._should_apply(found_inf):
-                    self._inner_step(checked, kind)
+            try:
+                with self._scale_restored_on_error():
+                    if found_inf is not None and _skips_on_device(self._optimizer):
+                        self._advance(found_inf)
+                        self._step_skipping_on_device(found_inf)
+                    elif self._should_apply(found_inf):
+                        self._inner_step(checked, kind, unscaling)
+            except BaseException:
+                if unscaling is not None and unscaling.started:
+                    # Some of the wrapped optimizer's kernels may have unscaled their gradients:
+                    # a new backward pass is needed (see step()).
+                    marks.clear()
+                raise
             marks.updated()
         return loss
 
-    def _inner_step(self, checked: bool, kind: tuple[torch.device, torch.dtype] | None = None) -> None:
+    def _inner_step(
+        self,
+        checked: bool,
+        kind: tuple[torch.device, torch.dtype] | None = None,
+        unscaling: _Unscaling | None = None,
+    ) -> None:
         """The wrapped optimizer's ``step()``; one of ours skips its own check of the gradients
         when this call has just made it (``checked``, which found them all of ``kind`` if not
-        None) and no step pre-hook runs in between."""
+        None) and no step pre-hook runs in between. ``unscaling``: its fused kernels unscale the
+        gradients (see :meth:`_unscaled_inside`)."""
         inner = self._optimizer
-        if checked and isinstance(inner, Optimizer) and _no_step_pre_hooks(inner):
-            with inner._gradients_checked(kind):
-                inner.step()
+        if unscaling is not None or (checked and isinstance(inner, Optimizer) and _no_step_pre_hooks(inner)):
+            token = _UNSCALING.set(unscaling)
+            try:
+                with inner._gradients_checked(kind):
+                    inner.step()
+            finally:
+                _UNSCALING.reset(token)
         else:
             inner.step()
 
@@ -318,9 +348,13 @@ class LossScaleOptimizer(OptimizerWrapper):
         super().zero_grad(set_to_none=set_to_none)
         self._marks.clear()
 
-    def _unscale_grads(self, caller: str) -> tuple[Tensor | None, tuple[torch.device, torch.dtype] | None]:
-        """Multiply every ``p.grad`` by ``1/scale`` in place; return the non-finite flag, and the
-        one device and dtype of every parameter and gradient if they have one (see ``_shared_kind``).
+    def _unscale_grads(
+        self, caller: str
+    ) -> tuple[Tensor | None, tuple[torch.device, torch.dtype] | None, _Unscaling | None]:
+        """Multiply every ``p.grad`` by ``1/scale`` in place; return the non-finite flag, the one
+        device and dtype of every parameter and gradient if they have one (see ``_shared_kind``),
+        and, where the wrapped optimizer's kernels are to unscale them in their own pass instead
+        (see :meth:`_unscaled_inside`), what to hand them.
 
         The flag is None when the loss scale does not look at gradients (a
         fixed scale), so that no collective and no synchronisation follow.
@@ -357,6 +391,10 @@ class LossScaleOptimizer(OptimizerWrapper):
             self._check_grads(params)
         device = self._loss_scale.device
         inv_scale = torch.reciprocal(self._loss_scale())
+        # (One gradient per parameter: a tensor that is two parameters' gradient would be unscaled twice.)
+        if caller == "step" and usual and self._unscaled_inside(kind, every_grad, params):
+            # (A kept tensor of the same value: a step of ours replayed reads the same one.)
+            return None, kind, _Unscaling(_number_tensor(inv_scale.item(), torch.float32, kind[0]))
         # The fused kernel needs its flag and inverse scale on the gradients' device, and on CUDA
         # one dtype per call for its multi-tensor path.
         by_device: dict[torch.device, dict[torch.dtype, list[Tensor]]] = {}
@@ -406,7 +444,32 @@ class LossScaleOptimizer(OptimizerWrapper):
             # The kernel checks before it multiplies; by 1/scale > 1 a finite gradient can overflow,
             # and TF judges the unscaled gradients. (Never the case once the scale is >= 1.)
             found_inf = torch.maximum(found_inf, found_non_finite(grads, device))
-        return (found_inf if self._loss_scale.checks_gradients else None), (kind if usual else None)
+        return (found_inf if self._loss_scale.checks_gradients else None), (kind if usual else None), None
+
+    def _unscaled_inside(
+        self, kind: tuple[torch.device, torch.dtype] | None, grads: list[Tensor], params: list[Tensor]
+    ) -> bool:
+        """Whether the wrapped optimizer can unscale the gradients inside its own fused pass.
+
+        Where nothing needs the check first (a fixed scale), around this package's own
+        optimizers with ``fused`` on in every group and no step pre-hook, over dense
+        float32 or float64 gradients of the CPU, each in memory of its own (see
+        :func:`~torchgrad_compat.optim._base._unscaling`): the gradient is then read once
+        for the update, not once more before it. Elsewhere (CUDA and half precision
+        included) torch's check-and-unscale kernel makes a pass of its own.
+        """
+        inner = self._optimizer
+        return (
+            not self._loss_scale.checks_gradients
+            and kind is not None
+            and kind[0].type == "cpu"
+            and kind[1] in (torch.float32, torch.float64)
+            and isinstance(inner, Optimizer)
+            and _own_update(type(inner))
+            and all(group.get("fused") for group in inner.param_groups)
+            and _no_step_pre_hooks(inner)
+            and _each_at_its_own_address(grads, params)
+        )
 
     def _check_grads(self, params: list[Tensor]) -> None:
         """Check every ``p.grad`` against its parameter, raising on the first that does not fit.

@@ -97,6 +97,9 @@ _CENSUS_HELD: contextvars.ContextVar[
 # Set by Optimizer._apply while it records a step to replay (see _StepReplay): each _run_fused call
 # appends what it called, or None where it took another way than one plan's kernel calls.
 _FUSED_CALLS: contextvars.ContextVar[list[Any] | None] = contextvars.ContextVar("_FUSED_CALLS", default=None)
+# Set by LossScaleOptimizer around a step of ours whose fused kernels unscale the gradients in
+# their own pass (see _unscaling).
+_UNSCALING: contextvars.ContextVar[_Unscaling | None] = contextvars.ContextVar("_UNSCALING", default=None)
 # The types of the param-group values a replayed step may depend on: values that cannot change in
 # place, so that one found to be the very object it was is the value it was.
 _REPLAYABLE_VALUES = (bool, int, float, str, type(None))
@@ -1636,10 +1639,18 @@ class _StepReplay:
     as RMSProp's ``1 - decay``, make a new tensor and are not replayed).
     """
 
-    __slots__ = ("_groups", "_state_keys", "_state_values")
+    __slots__ = ("_groups", "_inv_scale", "_state_keys", "_state_values")
 
-    def __init__(self, groups: list[_ReplayedGroup], state_keys: list[Any], state_values: list[Any]):
+    def __init__(
+        self,
+        groups: list[_ReplayedGroup],
+        state_keys: list[Any],
+        state_values: list[Any],
+        inv_scale: Tensor | None,
+    ):
         self._groups, self._state_keys, self._state_values = groups, state_keys, state_values
+        # The inverse loss scale its kernels unscaled the gradients by (see _unscaling), if any.
+        self._inv_scale = inv_scale
 
     @staticmethod
     def may_follow(
@@ -1745,12 +1756,17 @@ class _StepReplay:
                 )
             )
         state = optimizer.state
-        return cls(records, list(state), list(state.values()))
+        unscaling = _UNSCALING.get()
+        return cls(records, list(state), list(state.values()), unscaling and unscaling.inv_scale)
 
     def run(self, optimizer: Optimizer) -> bool:
         """Take the step as recorded if everything it depends on is as it was; else change nothing
         and return False."""
         if torch.is_inference_mode_enabled() or _tracing_or_transforming():
+            return False
+        # (Kernels that unscale the gradients by this inverse scale, or that do not: as recorded.)
+        unscaling = _UNSCALING.get()
+        if (unscaling and unscaling.inv_scale) is not self._inv_scale:
             return False
         groups = optimizer.param_groups
         if len(groups) != len(self._groups) or not _same_entries(
@@ -1782,6 +1798,8 @@ class _StepReplay:
                 return False
             slots = [list(map(operator.itemgetter(name), dicts)) if name else [] for name in kept.names]
             calls.append((kept.plan, kept.kernel, (params, grads, *slots), kept.scalars))
+        if unscaling is not None:
+            unscaling.started = True
         for plan, kernel, lists, scalars in calls:
             plan.call(kernel, lists, scalars)
         return True
@@ -1928,6 +1946,11 @@ def _run_fused(single: Callable[..., None], *lists: list[Tensor], **scalars: Any
             raise ValueError(
                 f"fused update: {name} must be a tensor of one element, got shape {tuple(value.shape)}"
             )
+    unscaling = _UNSCALING.get()
+    if unscaling is not None:
+        single = _unscaling(single)
+        scalars = {**scalars, "inv_scale": unscaling.inv_scale}
+        unscaling.started = True
     calls = _FUSED_CALLS.get()
     if calls is not None:
         calls.append(None)  # (replaced below where the step can be replayed)
@@ -1954,6 +1977,38 @@ def _run_fused(single: Callable[..., None], *lists: list[Tensor], **scalars: Any
     plan.call(kernel, lists, scalars)
     if calls is not None and plan.as_they_are:
         calls[-1] = (kernel, plan, lists, scalars)
+
+
+class _Unscaling:
+    """What ``LossScaleOptimizer`` hands the fused kernels of one step that unscale its gradients:
+    the inverse of the loss scale (a 0-d float32 tensor), and whether a kernel has started."""
+
+    __slots__ = ("inv_scale", "started")
+
+    def __init__(self, inv_scale: Tensor):
+        self.inv_scale, self.started = inv_scale, False
+
+
+@functools.cache
+def _unscaling(single: Callable[..., None]) -> Callable[..., None]:
+    """The rule ``single`` after ``g *= inv_scale`` for every gradient, in place.
+
+    Fused, each gradient element is read once, multiplied, written back (so that
+    ``p.grad`` ends unscaled, as after torch's check-and-unscale kernel) and used
+    by the update in the same pass: float32 math for float32 gradients, float64
+    for float64 ones (the float32 scalar is widened), which are the products that
+    kernel makes. A kernel of its own per rule (the function is kept).
+    """
+
+    def unscaled(
+        params: list[Tensor], grads: list[Tensor], *slots: list[Tensor], inv_scale: Tensor, **scalars: Any
+    ):
+        for g in grads:
+            g.mul_(inv_scale)
+        single(params, grads, *slots, **scalars)
+
+    unscaled.__name__ = unscaled.__qualname__ = f"unscaled{single.__name__}"
+    return unscaled
 
 
 def _distinct_scalars(scalars: dict[str, Any]) -> dict[str, Any]:
@@ -2520,6 +2575,8 @@ class _FusedPlan:
             _bump_versions(list(itertools.chain(lists[0], *lists[2:])))
         else:
             _bump_versions(self.aliases)
+        if "inv_scale" in scalars:  # (the gradients, unscaled in place: see _unscaling)
+            _bump_versions(lists[1])
 
     def _pool(self, kernel: _FusedKernel, lists: tuple[list[Tensor], ...]) -> list[Any]:
         """This step's rows of every list, then :attr:`constants` (the scalars go last)."""
