@@ -260,7 +260,15 @@ def test_a_replayed_step_ends_as_the_whole_path(monkeypatch, spec: OptimSpec, ci
     [
         (spec, cid)
         for spec, cid in ALL_CONFIGS
-        if spec.name in ("GradientDescentOptimizer", "MomentumOptimizer", "AdagradOptimizer")
+        if spec.name
+        in (
+            "GradientDescentOptimizer",
+            "MomentumOptimizer",
+            "AdagradOptimizer",
+            "AdamOptimizer",
+            "RMSPropOptimizer",
+            "AdadeltaOptimizer",
+        )
     ],
     ids=lambda v: v if isinstance(v, str) else v.name.removesuffix("Optimizer"),
 )
@@ -1339,6 +1347,18 @@ def _changed_after_two_steps(opt_of: Any, change: str) -> tuple[str, list[torch.
                 optim_base._number_tensor(0.1, torch.float32, torch.device("cpu")).fill_(0.5)
             elif change == "group key added":
                 opt.param_groups[0]["weight_decay"] = 0.01
+            elif change == "betas changed":
+                opt.param_groups[0]["betas"] = (0.8, 0.99)
+            elif change == "beta1 changed":
+                opt.param_groups[0]["beta1"] = 0.5
+            elif change == "beta1_power replaced":
+                opt.param_groups[0]["beta1_power"] = torch.tensor(0.5)
+            elif change == "beta1_power written in place":
+                opt.param_groups[0]["beta1_power"].fill_(0.5)
+            elif change == "beta1_power out of range":
+                opt.param_groups[0]["beta1_power"] = torch.tensor(1.5)
+            elif change == "state loaded":
+                opt.load_state_dict(copy.deepcopy(opt.state_dict()))
             elif change.startswith("slot"):
                 state = opt.state[p]
                 if change == "slot replaced":
@@ -1393,6 +1413,38 @@ _REFUSED = {
     "gradient replaced by the learning rate",
     "group key added",
 }
+
+
+_ADAM_CHANGES = [
+    "learning rate changed",
+    "betas changed",
+    "beta1 changed",
+    "beta1_power replaced",
+    "beta1_power written in place",
+    "beta1_power out of range",
+    "state loaded",
+    "parameter moved",
+    "gradient dtype",
+]
+
+
+@pytest.mark.parametrize("change", _ADAM_CHANGES)
+def test_an_adam_step_after_its_state_changed_ends_as_the_whole_path(monkeypatch, change: str):
+    """Adam's fused steps are replayed with the beta powers they advance: a third step after a
+    change to its hyperparameters, its non-slot state or its tensors ends as it does when nothing
+    was kept (refused with the same words, or with the same numbers, bitwise)."""
+
+    def opt_of(params: list[torch.Tensor], lr: Any) -> tgo.AdamOptimizer:
+        return tgo.AdamOptimizer(params, learning_rate=lr, fused=True)
+
+    kept = _changed_after_two_steps(opt_of, change)
+    monkeypatch.setattr(optim_base._SameMeta, "of", classmethod(lambda cls, tensors: None))
+    monkeypatch.setattr(optim_base.Optimizer, "_slot_dicts_as_kept", lambda self, grouped: None)
+    checked_in_full = _changed_after_two_steps(opt_of, change)
+    assert kept[0] == checked_in_full[0]
+    assert bool(kept[0]) == (change in ("gradient dtype", "beta1_power out of range")), kept[0]
+    assert len(kept[1]) == len(checked_in_full[1])
+    assert all(torch.equal(a, b) for a, b in zip(kept[1], checked_in_full[1], strict=True))
 
 
 @pytest.mark.parametrize("change", _CHANGES)

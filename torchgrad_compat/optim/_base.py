@@ -517,6 +517,10 @@ class Optimizer(torch.optim.Optimizer):
     # Truthy only inside _gradients_checked(): step() then skips its own check of every p.grad;
     # a (device, dtype) when that check found every parameter and gradient of it.
     _grads_checked: tuple[torch.device, torch.dtype] | bool = False
+    # The kernel scalars a rule computes at every step (name -> its function of the group's
+    # non-slot tensors and HyperScalars), which its _apply_dense takes from _derived and a
+    # replayed step computes again the same way (see _StepReplay).
+    _derived_scalars: ClassVar[dict[str, Callable[[dict[str, Tensor], HyperScalars], Tensor]]] = {}
 
     def __init__(self, params: Iterable[Tensor] | Iterable[dict[str, Any]], defaults: dict[str, Any]):
         if isinstance(params, Tensor):
@@ -733,7 +737,12 @@ class Optimizer(torch.optim.Optimizer):
         return {}
 
     def _sync_aliases(self) -> None:
-        """Reconcile group keys kept under two names (Adam's ``betas``), before an update or a save."""
+        """Reconcile group keys kept under two names (Adam's ``betas``), before an update or a save.
+
+        What it does depends on the group values alone: a replayed step (see
+        :class:`_StepReplay`), whose groups hold the very values reconciled at the
+        step it replays, does not call it.
+        """
         return None
 
     def _init_non_slot(self, group: dict[str, Any], device: torch.device) -> dict[str, Tensor]:
@@ -761,6 +770,10 @@ class Optimizer(torch.optim.Optimizer):
         hyper: HyperScalars,
     ) -> None:
         raise NotImplementedError
+
+    def _derived(self, non_slot: dict[str, Tensor], hyper: HyperScalars) -> dict[str, Tensor]:
+        """The scalars of :attr:`_derived_scalars`, for this group and bucket."""
+        return {name: derive(non_slot, hyper) for name, derive in self._derived_scalars.items()}
 
     def _finish(self, group: dict[str, Any], non_slot: dict[str, Tensor], values: dict[str, Any]) -> None:
         return None
@@ -1570,7 +1583,9 @@ class Optimizer(torch.optim.Optimizer):
                 group.update(non_slot)
                 self._mark_written(gi, group)
             if calls is not None:
-                replay = _StepReplay.of(self, calls, lists or {}, census_of, slot_records, slots_of)
+                replay = _StepReplay.of(
+                    self, calls, lists or {}, census_of, slot_records, slots_of, evaluated
+                )
                 if replay is not None:
                     self.__dict__["_step_replay"] = replay
         finally:
@@ -1605,6 +1620,8 @@ class _ReplayedGroup(NamedTuple):
     plan: _FusedPlan
     scalars: dict[str, Any]
     versions: list[tuple[Tensor, int]]  # the scalars' tensors, and their versions then
+    derived: tuple[str, ...]  # the scalars the rule derives from its non-slot state (see of())
+    evaluated: dict[str, Any]  # the group's hyperparameters as the step evaluated them
 
 
 class _StepReplay:
@@ -1633,10 +1650,15 @@ class _StepReplay:
     Recorded only where that path depends on nothing else: a step's census found
     each group's parameters and gradients (dense, of one device, the CPU, and one
     dtype, not half) and its check of the slots found them, ``fused`` is on, the
-    rule keeps no optimizer-wide state (Adam's beta powers are new tensors at every
-    step) and is this package's own, and its kernel's scalars are hyperparameters
-    made by :func:`_number_tensor` (rules that compute a scalar at each step, such
-    as RMSProp's ``1 - decay``, make a new tensor and are not replayed).
+    rule is this package's own, and each of its kernel's scalars is a hyperparameter
+    made by :func:`_number_tensor` or one the rule computes at every step by a
+    function it names (:attr:`Optimizer._derived_scalars`: RMSProp's ``1 - decay``,
+    Adam's ``alpha`` from its beta powers), which the replay calls again. A rule's
+    optimizer-wide state (Adam's beta powers, new tensors at every step) is then
+    advanced by its ``_finish``, as the whole path does, and the record takes the
+    new tensors as the group's values. Rules whose scalars depend on options
+    computed otherwise (the proximal rules' and Ftrl's regularization, AdagradDA's
+    step) are not replayed.
     """
 
     __slots__ = ("_groups", "_inv_scale", "_state_keys", "_state_values")
@@ -1663,12 +1685,15 @@ class _StepReplay:
         replay: see the class docstring."""
         cls = type(optimizer)
         has_slots = cls._init_slots is not Optimizer._init_slots
+        # (This package's rules keep non-slot state that _finish advances from the group alone;
+        # the kernel scalars they compute from it are checked to be derived ones by of().)
         if (
             optimizer._non_slot_keys
             or cls._finish is not Optimizer._finish
             or cls._sync_aliases is not Optimizer._sync_aliases
-        ):
+        ) and not _own_update(cls):
             return False
+        non_slot = set(optimizer._non_slot_keys)
         for gi, group in enumerate(optimizer.param_groups):
             buckets = dense.get(gi)
             if (
@@ -1683,11 +1708,12 @@ class _StepReplay:
             ((device, dtype),) = buckets
             if device.type != "cpu" or dtype in _HALF_DTYPES:
                 return False
-            # (A wrapper's keys, such as the loss scale's state tensors, are not read by the rule.)
+            # (A wrapper's keys, such as the loss scale's state tensors, are not read by the rule;
+            # the non-slot tensors are the ones the last step put there, checked by identity.)
             if not all(
-                type(v) in _REPLAYABLE_VALUES
+                _replayable(v)
                 for k, v in group.items()
-                if k != "params" and not k.startswith(_WRAPPER_KEY_PREFIXES)
+                if k != "params" and k not in non_slot and not k.startswith(_WRAPPER_KEY_PREFIXES)
             ):
                 return False
         return True
@@ -1701,10 +1727,18 @@ class _StepReplay:
         census_of: dict[int, _SameMeta],
         slot_records: dict[int, _SlotRecord | None],
         slots_of: dict[int, list[dict[str, Any]]],
+        evaluated: list[dict[str, Any]],
     ) -> _StepReplay | None:
         """The record of the step just taken, whose fused calls were ``calls`` (one per group, in
-        order), or None where a call cannot be derived again from the groups and slots alone."""
+        order), or None where a call cannot be derived again from the groups and slots alone.
+
+        A scalar that is not a kept hyperparameter tensor must be one the rule computes at each
+        step (:attr:`Optimizer._derived_scalars`: Adam's ``alpha`` from its beta powers, its
+        ``1 - beta1``): a replay computes it again from the group's non-slot tensors and its
+        hyperparameters as this step evaluated them (the group values being the very same
+        objects), and ends each group with ``_finish`` as the step did."""
         groups = optimizer.param_groups
+        derivable = type(optimizer)._derived_scalars
         if len(calls) != len(groups) or any(call is None for call in calls):
             return None
         records = []
@@ -1730,13 +1764,17 @@ class _StepReplay:
                     return None
                 names.append(found[0])
             versions = []
-            for value in scalars.values():
-                if isinstance(value, Tensor):
+            derived = []
+            for name, value in scalars.items():
+                if name in derivable:
+                    derived.append(name)
+                elif isinstance(value, Tensor):
                     if not _is_kept_number(value):
                         return None
                     versions.append((value, value._version))
                 elif type(value) not in _REPLAYABLE_VALUES:
                     return None
+
             records.append(
                 _ReplayedGroup(
                     group,
@@ -1753,6 +1791,8 @@ class _StepReplay:
                     plan,
                     scalars,
                     versions,
+                    tuple(derived),
+                    evaluated[gi],
                 )
             )
         state = optimizer.state
@@ -1797,12 +1837,35 @@ class _StepReplay:
             if not all(t._version == v for t, v in kept.versions):
                 return False
             slots = [list(map(operator.itemgetter(name), dicts)) if name else [] for name in kept.names]
-            calls.append((kept.plan, kept.kernel, (params, grads, *slots), kept.scalars))
+            scalars = kept.scalars
+            if kept.derived:
+                non_slot = optimizer._non_slot_of(group)
+                hyper = HyperScalars(kept.evaluated, _compute_dtype(params[0].dtype), params[0].device)
+                derive = type(optimizer)._derived_scalars
+                scalars = {**scalars, **{name: derive[name](non_slot, hyper) for name in kept.derived}}
+            calls.append((kept.plan, kept.kernel, (params, grads, *slots), scalars))
+        finish = type(optimizer)._finish is not Optimizer._finish
         if unscaling is not None:
             unscaling.started = True
         for plan, kernel, lists, scalars in calls:
             plan.call(kernel, lists, scalars)
+        # The rest of the step, for rules with non-slot state: as Optimizer._apply ends a group.
+        for gi, (group, kept) in enumerate(zip(groups, self._groups, strict=True)):
+            if finish:
+                non_slot = optimizer._non_slot_of(group)
+                optimizer._finish(group, non_slot, kept.evaluated)
+                group.update(non_slot)
+                optimizer._mark_written(gi, group)
+                kept.values[:] = group.values()
         return True
+
+
+def _replayable(value: Any) -> bool:
+    """Whether ``value`` cannot change in place: a number, flag, string or None, or a tuple of them
+    (Adam's ``betas``)."""
+    if type(value) is tuple:
+        return all(type(v) in _REPLAYABLE_VALUES for v in value)
+    return type(value) in _REPLAYABLE_VALUES
 
 
 def _any_callable(groups: list[dict[str, Any]], hypers: tuple[Hyper | Flag, ...]) -> bool:

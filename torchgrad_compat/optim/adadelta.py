@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Iterable
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 from torch import Tensor
@@ -74,6 +74,9 @@ class AdadeltaOptimizer(Optimizer):
         Hyper("epsilon", "epsilon", 0.0),
     )
     _slots = ("accum", "accum_update")
+    _derived_scalars: ClassVar[dict[str, Any]] = {
+        "one_minus_rho": lambda non_slot, hyper: hyper.one - hyper.rho,
+    }
 
     def __init__(
         self,
@@ -103,7 +106,7 @@ class AdadeltaOptimizer(Optimizer):
             [s["accum_update"] for s in slots],
             lr=hyper.lr,
             rho=hyper.rho,
-            one_minus_rho=hyper.one - hyper.rho,
+            **self._derived(non_slot, hyper),
             epsilon=hyper.epsilon,
             foreach=foreach,
             fused=fused,

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Iterable
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 from torch import Tensor
@@ -11,6 +11,13 @@ from torch import Tensor
 from ._base import Hyper, HyperScalars, Optimizer, float32_tensor, pick_impl
 
 __all__ = ["AdamOptimizer", "adam"]
+
+
+def _alpha(non_slot: dict[str, Tensor], hyper: HyperScalars) -> Tensor:
+    """α = η·√(1 - p₂) / (1 - p₁), in the parameter dtype (TF casts the powers first)."""
+    beta1_power = non_slot["beta1_power"].to(device=hyper.device, dtype=hyper.dtype)
+    beta2_power = non_slot["beta2_power"].to(device=hyper.device, dtype=hyper.dtype)
+    return hyper.lr * torch.sqrt(hyper.one - beta2_power) / (hyper.one - beta1_power)
 
 
 class AdamOptimizer(Optimizer):
@@ -97,6 +104,11 @@ class AdamOptimizer(Optimizer):
         Hyper("epsilon", "epsilon", 0.0),
     )
     _slots = ("m", "v")
+    _derived_scalars: ClassVar[dict[str, Any]] = {
+        "alpha": _alpha,
+        "one_minus_beta1": lambda non_slot, hyper: hyper.one - hyper.beta1,
+        "one_minus_beta2": lambda non_slot, hyper: hyper.one - hyper.beta2,
+    }
 
     def __init__(
         self,
@@ -185,9 +197,7 @@ class AdamOptimizer(Optimizer):
             grads,
             [s["m"] for s in slots],
             [s["v"] for s in slots],
-            alpha=_alpha(non_slot, hyper),
-            one_minus_beta1=hyper.one - hyper.beta1,
-            one_minus_beta2=hyper.one - hyper.beta2,
+            **self._derived(non_slot, hyper),
             epsilon=hyper.epsilon,
             foreach=foreach,
             fused=fused,
@@ -219,13 +229,6 @@ def _same(a: tuple[Any, Any], b: tuple[Any, Any]) -> bool:
 
 def _is_number(x: Any) -> bool:
     return isinstance(x, (int, float)) and not isinstance(x, bool)
-
-
-def _alpha(non_slot: dict[str, Tensor], hyper: HyperScalars) -> Tensor:
-    """α = η·√(1 - p₂) / (1 - p₁), in the parameter dtype (TF casts the powers first)."""
-    beta1_power = non_slot["beta1_power"].to(device=hyper.device, dtype=hyper.dtype)
-    beta2_power = non_slot["beta2_power"].to(device=hyper.device, dtype=hyper.dtype)
-    return hyper.lr * torch.sqrt(hyper.one - beta2_power) / (hyper.one - beta1_power)
 
 
 def adam(

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Iterable
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 from torch import Tensor
@@ -93,6 +93,9 @@ class RMSPropOptimizer(Optimizer):
         Flag("centered", "centered"),
     )
     _slots = ("momentum", "rms")
+    _derived_scalars: ClassVar[dict[str, Any]] = {
+        "one_minus_decay": lambda non_slot, hyper: hyper.one - hyper.decay,
+    }
 
     def __init__(
         self,
@@ -139,7 +142,7 @@ class RMSPropOptimizer(Optimizer):
             [s["momentum"] for s in slots],
             [s["mg"] for s in slots] if centered else [],
             lr=hyper.lr,
-            one_minus_decay=hyper.one - hyper.decay,
+            **self._derived(non_slot, hyper),
             momentum=hyper.momentum,
             epsilon=hyper.epsilon,
             centered=centered,
