@@ -770,7 +770,8 @@ def _each_at_its_own_address(grads: list[Tensor], params: list[Tensor]) -> bool:
         return True
     if len(addresses) != len(grads) or not addresses.isdisjoint(map(Tensor.data_ptr, params)):
         return False
-    # (Contiguous: each spans its nbytes from its start.)
+    # (Contiguous: each spans its nbytes from its start. In address order, none may reach the next;
+    # read in Python: a tensor's bool would count as a host read of the step.)
     spans = sorted(zip(starts, map(_NBYTES_OF, grads), strict=True))
     ends = itertools.starmap(operator.add, spans)
     return all(map(operator.le, ends, itertools.islice(map(operator.itemgetter(0), spans), 1, None)))

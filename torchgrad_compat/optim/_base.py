@@ -2065,7 +2065,7 @@ def _unscaling(single: Callable[..., None]) -> Callable[..., None]:
 
     def unscaled(
         params: list[Tensor], grads: list[Tensor], *slots: list[Tensor], inv_scale: Tensor, **scalars: Any
-    ):
+    ) -> None:
         for g in grads:
             g.mul_(inv_scale)
         single(params, grads, *slots, **scalars)
