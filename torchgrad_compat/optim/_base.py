@@ -771,6 +771,11 @@ class Optimizer(torch.optim.Optimizer):
     ) -> None:
         raise NotImplementedError
 
+    @staticmethod
+    def _one_minus(key: str) -> Callable[[dict[str, Tensor], HyperScalars], Tensor]:
+        """A derived scalar (see :attr:`_derived_scalars`): ``1 - hyperparameter`` in the group's dtype."""
+        return lambda non_slot, hyper: hyper.one - getattr(hyper, key)
+
     def _derived(self, non_slot: dict[str, Tensor], hyper: HyperScalars) -> dict[str, Tensor]:
         """The scalars of :attr:`_derived_scalars`, for this group and bucket."""
         return {name: derive(non_slot, hyper) for name, derive in self._derived_scalars.items()}
@@ -1620,7 +1625,7 @@ class _ReplayedGroup(NamedTuple):
     plan: _FusedPlan
     scalars: dict[str, Any]
     versions: list[tuple[Tensor, int]]  # the scalars' tensors, and their versions then
-    derived: tuple[str, ...]  # the scalars the rule derives from its non-slot state (see of())
+    derives: bool  # whether some scalars are ones the rule computes at every step (see of())
     evaluated: dict[str, Any]  # the group's hyperparameters as the step evaluated them
 
 
@@ -1764,17 +1769,15 @@ class _StepReplay:
                     return None
                 names.append(found[0])
             versions = []
-            derived = []
             for name, value in scalars.items():
                 if name in derivable:
-                    derived.append(name)
-                elif isinstance(value, Tensor):
+                    continue
+                if isinstance(value, Tensor):
                     if not _is_kept_number(value):
                         return None
                     versions.append((value, value._version))
                 elif type(value) not in _REPLAYABLE_VALUES:
                     return None
-
             records.append(
                 _ReplayedGroup(
                     group,
@@ -1791,7 +1794,7 @@ class _StepReplay:
                     plan,
                     scalars,
                     versions,
-                    tuple(derived),
+                    not derivable.keys().isdisjoint(scalars),
                     evaluated[gi],
                 )
             )
@@ -1838,20 +1841,17 @@ class _StepReplay:
                 return False
             slots = [list(map(operator.itemgetter(name), dicts)) if name else [] for name in kept.names]
             scalars = kept.scalars
-            if kept.derived:
-                non_slot = optimizer._non_slot_of(group)
+            if kept.derives:
                 hyper = HyperScalars(kept.evaluated, _compute_dtype(params[0].dtype), params[0].device)
-                derive = type(optimizer)._derived_scalars
-                scalars = {**scalars, **{name: derive[name](non_slot, hyper) for name in kept.derived}}
+                scalars = {**scalars, **optimizer._derived(optimizer._non_slot_of(group), hyper)}
             calls.append((kept.plan, kept.kernel, (params, grads, *slots), scalars))
-        finish = type(optimizer)._finish is not Optimizer._finish
         if unscaling is not None:
             unscaling.started = True
         for plan, kernel, lists, scalars in calls:
             plan.call(kernel, lists, scalars)
         # The rest of the step, for rules with non-slot state: as Optimizer._apply ends a group.
-        for gi, (group, kept) in enumerate(zip(groups, self._groups, strict=True)):
-            if finish:
+        if type(optimizer)._finish is not Optimizer._finish:
+            for gi, (group, kept) in enumerate(zip(groups, self._groups, strict=True)):
                 non_slot = optimizer._non_slot_of(group)
                 optimizer._finish(group, non_slot, kept.evaluated)
                 group.update(non_slot)

@@ -75,7 +75,7 @@ class AdadeltaOptimizer(Optimizer):
     )
     _slots = ("accum", "accum_update")
     _derived_scalars: ClassVar[dict[str, Any]] = {
-        "one_minus_rho": lambda non_slot, hyper: hyper.one - hyper.rho,
+        "one_minus_rho": Optimizer._one_minus("rho"),
     }
 
     def __init__(

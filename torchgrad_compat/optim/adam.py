@@ -106,8 +106,8 @@ class AdamOptimizer(Optimizer):
     _slots = ("m", "v")
     _derived_scalars: ClassVar[dict[str, Any]] = {
         "alpha": _alpha,
-        "one_minus_beta1": lambda non_slot, hyper: hyper.one - hyper.beta1,
-        "one_minus_beta2": lambda non_slot, hyper: hyper.one - hyper.beta2,
+        "one_minus_beta1": Optimizer._one_minus("beta1"),
+        "one_minus_beta2": Optimizer._one_minus("beta2"),
     }
 
     def __init__(

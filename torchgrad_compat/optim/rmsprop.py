@@ -94,7 +94,7 @@ class RMSPropOptimizer(Optimizer):
     )
     _slots = ("momentum", "rms")
     _derived_scalars: ClassVar[dict[str, Any]] = {
-        "one_minus_decay": lambda non_slot, hyper: hyper.one - hyper.decay,
+        "one_minus_decay": Optimizer._one_minus("decay"),
     }
 
     def __init__(
