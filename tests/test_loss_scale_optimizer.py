@@ -557,11 +557,28 @@ def test_a_gradient_that_overflows_once_unscaled_skips_the_step(dtype: torch.dty
     assert results == [(1.0, 1.0), (1.0, 1.0)]
 
 
-def test_one_gradient_tensor_of_two_parameters_is_unscaled_once() -> None:
+def _steps_of_zero_gradients(opt: LossScaleOptimizer, params: list[Tensor], steps: int) -> None:
+    """``steps`` steps whose gradients, each a tensor of its own, change nothing (what the
+    checks find is kept between steps)."""
+    for _ in range(steps):
+        opt.zero_grad()
+        opt.get_scaled_loss(sum(p.sum() * 0.0 for p in params)).backward()
+        opt.step()
+
+
+@pytest.mark.parametrize("fused", [False, True], ids=["loop", "fused"])
+@pytest.mark.parametrize("steps_before", [0, 3])
+@pytest.mark.parametrize("scale", ["dynamic", "fixed"])
+def test_one_gradient_tensor_of_two_parameters_is_unscaled_once(
+    scale: str, steps_before: int, fused: bool
+) -> None:
     """p.grad and r.grad the same tensor: unscaling it once per parameter divided it by the
-    scale squared (GradScaler does too)."""
+    scale squared (GradScaler does too). Also after steps with a gradient for each."""
     p, r = nn.Parameter(torch.zeros(2)), nn.Parameter(torch.zeros(2))
-    opt = LossScaleOptimizer(tgo.GradientDescentOptimizer([p, r], 1.0), DynamicLossScale(8.0, 10))
+    loss_scale = DynamicLossScale(8.0, 10) if scale == "dynamic" else 8.0
+    opt = LossScaleOptimizer(tgo.GradientDescentOptimizer([p, r], 1.0, fused=fused), loss_scale)
+    _steps_of_zero_gradients(opt, [p, r], steps_before)
+    opt.zero_grad()
     opt.get_scaled_loss(p.sum()).backward()
     r.grad = p.grad
     opt.step()
@@ -610,7 +627,8 @@ def test_dense_gradients_that_are_views_of_one_buffer_are_unscaled_once(fused: b
     before anything changes."""
     w, v = nn.Parameter(torch.zeros(4, 3)), nn.Parameter(torch.zeros(4, 3))
     opt = LossScaleOptimizer(tgo.GradientDescentOptimizer([w, v], 1.0, fused=fused), 4.0)
-    for offset, overlap in ((12, False), (3, True)):
+    # (Two steps side by side first: what the checks find is kept between steps.)
+    for step, (offset, overlap) in enumerate(((12, False), (12, False), (3, True))):
         opt.get_scaled_loss(w.sum() + v.sum()).backward()
         buffer = torch.full((12 + offset,), 4.0)
         w.grad, v.grad = buffer[:12].view(4, 3), buffer[offset:].view(4, 3)
@@ -621,15 +639,23 @@ def test_dense_gradients_that_are_views_of_one_buffer_are_unscaled_once(fused: b
         else:
             opt.step()
             assert torch.equal(buffer, torch.ones(24))
-        assert torch.equal(w.detach(), torch.full((4, 3), -1.0)) and torch.equal(v.detach(), w.detach())
+        applied = min(step + 1, 2)
+        assert torch.equal(w.detach(), torch.full((4, 3), -applied)) and torch.equal(v.detach(), w.detach())
         opt.zero_grad()
 
 
-@pytest.mark.parametrize("dense", [True, False], ids=["dense", "sparse"])
-def test_a_gradient_in_a_parameters_memory_is_refused(dense: bool) -> None:
-    """Unscaling in place would divide the parameter itself, on a skipped step too."""
+@pytest.mark.parametrize(
+    ("dense", "steps_before", "fused"),
+    [(True, 0, False), (False, 0, False), (True, 3, False), (True, 3, True)],
+    ids=["dense", "sparse", "dense-after-steps-loop", "dense-after-steps-fused"],
+)
+def test_a_gradient_in_a_parameters_memory_is_refused(dense: bool, steps_before: int, fused: bool) -> None:
+    """Unscaling in place would divide the parameter itself, on a skipped step too. Also after
+    steps with a gradient of its own for each parameter."""
     w, v = nn.Parameter(torch.ones(4, 3)), nn.Parameter(torch.ones(4, 3))
-    opt = LossScaleOptimizer(tgo.GradientDescentOptimizer([w, v], 0.1))
+    opt = LossScaleOptimizer(tgo.GradientDescentOptimizer([w, v], 0.1, fused=fused))
+    _steps_of_zero_gradients(opt, [w, v], steps_before)
+    opt.zero_grad()
     opt.get_scaled_loss(w.sum() + v.sum()).backward()
     if dense:
         w.grad = v.detach()
