@@ -782,8 +782,10 @@ class _UsualGrads:
     :func:`_each_at_its_own_address` at the addresses last seen, which the metadata and the
     addresses decide.
 
-    At 1000 gradients this takes about 0.6 ms of a step's host time, against 1.5 ms for
-    finding it all again."""
+    At 1000 gradients of 16 elements, ``_unscale_grads`` then takes about 0.85 ms of host time
+    against 1.5 ms for finding it all again, while the addresses stay (``zero_grad(set_to_none=
+    False)``); new gradient tensors at every step (torch's default ``zero_grad()``) move them,
+    and the sweep, 0.5 to 0.8 ms, runs again."""
 
     __slots__ = ("addresses", "kind", "meta", "own")
 
