@@ -33,7 +33,9 @@ from optim_specs import SPECS, OptimSpec
 from torch import Tensor, nn
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
+import torchgrad_compat.amp.loss_scale_optimizer as lso_module
 import torchgrad_compat.optim as tgo
+import torchgrad_compat.optim._base as optim_base
 from torchgrad_compat.amp import DynamicLossScale, FixedLossScale, LossScaleOptimizer
 from torchgrad_compat.optim._wrapper import OptimizerWrapper
 
@@ -958,6 +960,30 @@ def test_gradients_unscaled_inside_the_fused_pass_end_unscaled_with_new_versions
         inv = torch.reciprocal(torch.tensor(1000.0))
         assert all(torch.equal(p.grad, g * inv) for p, g in zip(params, scaled, strict=True))
         assert all(p.grad._version > v for p, v in zip(params, versions, strict=True))
+
+
+@pytest.mark.parametrize("scale", [1000.0, "dynamic"])
+def test_an_empty_parameter_leaves_the_others_on_the_usual_path(monkeypatch, scale: Any) -> None:
+    """An empty parameter's gradient holds no memory (its address is 0, the parameter's too): the
+    others are not taken for gradients that share memory. They keep torch's one check-and-unscale
+    call (dynamic scale) or the fused kernels' unscale (fixed scale), with the numbers of the
+    same run without the empty parameter."""
+    careful, rules = [], []
+    each_memory_once, unscaling = lso_module._each_memory_once, optim_base._unscaling
+    monkeypatch.setattr(lso_module, "_each_memory_once", lambda *a: careful.append(1) or each_memory_once(*a))
+    monkeypatch.setattr(optim_base, "_unscaling", lambda single: rules.append(single) or unscaling(single))
+    runs = []
+    for with_empty in (True, False):
+        params, _ = _fixed_scale_on_fused_adam()
+        empty = [nn.Parameter(torch.zeros(0, 3))] if with_empty else []
+        opt = LossScaleOptimizer(tgo.AdamOptimizer([*empty, *params], learning_rate=0.1, fused=True), scale)
+        for step in range(3):
+            _scaled_grads(opt, [*empty, *params], step)
+            opt.step()
+        runs.append(params)
+    assert not careful
+    assert bool(rules) == (scale != "dynamic")
+    assert all(torch.equal(a, b) for a, b in zip(*runs, strict=True))
 
 
 @pytest.mark.parametrize("fails", ["before the kernels", "after the kernels"])

@@ -814,13 +814,16 @@ def _each_at_its_own_address(grads: list[Tensor], params: list[Tensor]) -> bool:
     parameter's, and none reaches into the next (views of one buffer may not overlap: unscaling in
     place would divide twice where they do), or all have none of their own (DTensors, whose local
     shards FSDP2 makes as views of one buffer that do not overlap). About 1 ms per 1000 gradients
-    of host time, half of it the sweep."""
+    of host time, half of it the sweep. Empty tensors, which hold no memory (their address is 0 or
+    another tensor's), are left out."""
     starts = list(map(Tensor.data_ptr, grads))
     addresses = set(starts)
     if addresses == {0}:
         return True
     if len(addresses) != len(grads) or not addresses.isdisjoint(map(Tensor.data_ptr, params)):
-        return False
+        if all(map(_NBYTES_OF, grads)) and all(map(_NBYTES_OF, params)):
+            return False
+        return _each_at_its_own_address([g for g in grads if g.nbytes], [p for p in params if p.nbytes])
     # (Contiguous: each spans its nbytes from its start. In address order, none may reach the next;
     # read in Python: a tensor's bool would count as a host read of the step.)
     spans = sorted(zip(starts, map(_NBYTES_OF, grads), strict=True))
