@@ -463,7 +463,7 @@ class LossScaleOptimizer(OptimizerWrapper):
                 single = devices.pop(), dtypes.pop()
         return grads, kind, single, distinct
 
-    def _unscaled_inside(self, kind: tuple[torch.device, torch.dtype] | None) -> bool:
+    def _unscaled_inside(self, kind: _Kind | None) -> bool:
         """Whether the wrapped optimizer can unscale gradients of ``kind``, each in memory of its
         own, inside its own fused pass.
 
@@ -787,11 +787,12 @@ class _UsualGrads:
     False)``); new gradient tensors at every step (torch's default ``zero_grad()``) move them,
     and the sweep, 0.5 to 0.8 ms, runs again."""
 
-    __slots__ = ("addresses", "kind", "meta", "own")
+    __slots__ = ("grad_starts", "kind", "meta", "own", "param_starts")
 
     def __init__(self, meta: _SameMeta, kind: _Kind):
         self.meta, self.kind = meta, kind
-        self.addresses: list[int] | None = None
+        self.grad_starts: list[int] | None = None
+        self.param_starts: list[int] | None = None
         self.own = False
 
     @staticmethod
@@ -803,24 +804,33 @@ class _UsualGrads:
         record = kept.get("usual")
         if record is None or not record.meta.holds([*params, *every_grad]):
             return None
-        addresses = [*map(Tensor.data_ptr, every_grad), *map(Tensor.data_ptr, params)]
-        if addresses != record.addresses:
-            record.addresses, record.own = addresses, _each_at_its_own_address(every_grad, params)
+        grad_starts, param_starts = list(map(Tensor.data_ptr, every_grad)), list(map(Tensor.data_ptr, params))
+        if grad_starts != record.grad_starts or param_starts != record.param_starts:
+            record.grad_starts, record.param_starts = grad_starts, param_starts
+            record.own = _each_at_its_own_address(every_grad, params, grad_starts, param_starts)
         return record if record.own else None
 
 
-def _each_at_its_own_address(grads: list[Tensor], params: list[Tensor]) -> bool:
+def _each_at_its_own_address(
+    grads: list[Tensor],
+    params: list[Tensor],
+    grad_starts: list[int] | None = None,
+    param_starts: list[int] | None = None,
+) -> bool:
     """Whether dense contiguous gradients of one device start at distinct addresses, none of them a
     parameter's, and none reaches into the next (views of one buffer may not overlap: unscaling in
     place would divide twice where they do), or all have none of their own (DTensors, whose local
     shards FSDP2 makes as views of one buffer that do not overlap). About 1 ms per 1000 gradients
     of host time, half of it the sweep. Empty tensors, which hold no memory (their address is 0 or
-    another tensor's), are left out."""
-    starts = list(map(Tensor.data_ptr, grads))
+    another tensor's), are left out. ``grad_starts`` and ``param_starts``: their ``data_ptr()``s,
+    where the caller has read them already."""
+    starts = list(map(Tensor.data_ptr, grads)) if grad_starts is None else grad_starts
     addresses = set(starts)
     if addresses == {0}:
         return True
-    if len(addresses) != len(grads) or not addresses.isdisjoint(map(Tensor.data_ptr, params)):
+    if len(addresses) != len(grads) or not addresses.isdisjoint(
+        map(Tensor.data_ptr, params) if param_starts is None else param_starts
+    ):
         if all(map(_NBYTES_OF, grads)) and all(map(_NBYTES_OF, params)):
             return False
         return _each_at_its_own_address([g for g in grads if g.nbytes], [p for p in params if p.nbytes])
