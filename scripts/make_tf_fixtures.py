@@ -8,8 +8,11 @@ Every case drives ``tf.compat.v1.train.<Name>Optimizer`` in graph mode on two
 resource variables, ``var0`` (4, 3) and ``var1`` (5,), for five steps of
 ``apply_gradients(..., global_step=gs)`` with gradients fed through placeholders:
 dense tensors, or ``IndexedSlices`` whose indices repeat (TF sums duplicates before
-the update; GradientDescent applies them one after another). A case is one
-optimizer configuration × dense|sparse × float32|float64.
+the update; GradientDescent applies them one after another): a few rows a step
+(``sparse``), or 24 (``repeats``), where a row given three times or more holds a
+large value and, later, its negation, so that the sum of the values in between keeps
+the roundings of TF's order of addition. A case is one optimizer configuration ×
+dense|sparse|repeats × float32|float64.
 
 Output, all deterministic (seeded inputs, one thread):
 
@@ -44,7 +47,9 @@ import tensorflow as tf
 STEPS = 5
 SHAPES = {"var0": (4, 3), "var1": (5,)}
 DTYPES = ("float32", "float64")
-KINDS = ("dense", "sparse")
+KINDS = ("dense", "sparse", "repeats")
+# Entries per step of the "repeats" gradients: more than torch's coalesce() keeps in order (16).
+REPEATS = 24
 
 # Row indices of the sparse gradients, per step. Every step repeats an index
 # (TF sums duplicates first) and leaves some rows untouched (the lazy rules
@@ -123,6 +128,18 @@ def make_inputs(seed_name: str, kind: str) -> dict[str, np.ndarray]:
         arrays[f"var{i}/init"] = rng.standard_normal(shape)
         if kind == "dense":
             arrays[f"grad{i}"] = rng.standard_normal((STEPS, *shape))
+        elif kind == "repeats":
+            rows = rng.integers(0, shape[0], (STEPS, REPEATS))
+            values = rng.standard_normal((STEPS, REPEATS, *shape[1:]))
+            for k in range(STEPS):
+                for row in np.unique(rows[k]):
+                    at = np.flatnonzero(rows[k] == row)
+                    if len(at) >= 3:
+                        values[k, at[0]] *= 2.0**20
+                        values[k, at[-1]] = -values[k, at[0]]
+            arrays[f"grad{i}/indices"] = rows.reshape(-1)
+            arrays[f"grad{i}/step"] = np.repeat(np.arange(1, STEPS + 1), REPEATS)
+            arrays[f"grad{i}/values"] = values.reshape(-1, *shape[1:])
         else:
             rows = SPARSE_INDICES[var]
             arrays[f"grad{i}/indices"] = np.concatenate(rows).astype(np.int64)

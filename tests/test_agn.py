@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import Any
 
 import _agn_workers as workers
+import numpy as np
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
@@ -107,6 +108,47 @@ def test_push_is_the_mean_raw_gradient_and_local_slots_survive_the_pull():
     assert all(torch.equal(a, torch.zeros(2)) for a in opt._accumulators)
     assert torch.equal(opt.get_slot(p, "momentum"), _momentum_after(grads))
     assert opt.local_step == 4 and opt.global_step == 1
+
+
+def _dense_as_tf(indices: np.ndarray, values: np.ndarray, rows: int) -> np.ndarray:
+    """TF's dense form of an IndexedSlices (unsorted_segment_sum): from zero, each entry's values
+    added to its row in the order given, in float32."""
+    dense = np.zeros((rows, *values.shape[1:]), np.float32)
+    for row, value in zip(indices, values):
+        dense[row] = dense[row] + value
+    return dense
+
+
+@pytest.mark.parametrize("loss_scale", [None, "dynamic"])
+def test_sparse_gradients_are_accumulated_as_tf_adds_their_dense_sums(loss_scale):
+    # TF's worker adds each step's IndexedSlices to its accumulator as a dense tensor, the
+    # duplicate rows summed first in the order given. A row holds a large value and, later, its
+    # negation: what is left between them keeps the roundings of that order, and an accumulator
+    # that took the entries one by one would keep others.
+    rng = np.random.default_rng(0)
+    steps = []
+    for _ in range(2):
+        indices = rng.integers(0, 3, 24)
+        values = rng.standard_normal((24, 2)).astype(np.float32)
+        for row in range(3):
+            at = np.flatnonzero(indices == row)
+            values[at[0]] *= 2**20
+            values[at[-1]] = -values[at[0]]
+        steps.append((indices, values))
+    server, host = _local([torch.zeros(3, 2)], _gd, 1)
+    p = torch.zeros(3, 2)
+    inner: Any = _gd([p])
+    if loss_scale is not None:
+        from torchgrad_compat.amp import LossScaleOptimizer
+
+        inner = LossScaleOptimizer(inner, loss_scale=loss_scale)
+    opt = AGNOptimizer(inner, 1, 2, server=host.endpoint("w"))
+    for indices, values in steps:
+        g = torch.sparse_coo_tensor(torch.tensor(indices)[None], torch.tensor(values), (3, 2))
+        opt.apply_gradients([(g, p)])
+    accumulated = _dense_as_tf(*steps[0], 3) + _dense_as_tf(*steps[1], 3)
+    assert server.global_step == 1
+    assert torch.equal(server.center[0], -torch.from_numpy(accumulated / np.float32(2)))
 
 
 def _momentum_after(grads: list[torch.Tensor]) -> torch.Tensor:

@@ -3,8 +3,9 @@
 The fixtures in tests/fixtures/optim were written by scripts/make_tf_fixtures.py,
 which drives ``tf.compat.v1.train.<Name>Optimizer`` (TF 2.21, CPU, graph mode,
 resource variables) for five steps on two variables, ``var0`` (4, 3) and ``var1``
-(5,), with dense gradients or sparse ones whose indices repeat. Each case runs
-here in two ways:
+(5,), with dense gradients or sparse ones whose indices repeat: a few a step, or 24
+a step with values that cancel, so that duplicates summed in any other order than
+TF's show. Each case runs here in two ways:
 
 - ``apply``: TF style, ``opt.apply_gradients([(g0, var0), (g1, var1)])``, the
   sparse gradients given as uncoalesced COO tensors;

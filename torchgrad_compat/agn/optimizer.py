@@ -10,7 +10,14 @@ from torch import Tensor
 
 from ..amp.loss_scale import found_non_finite
 from ..amp.loss_scale_optimizer import LossScaleOptimizer
-from ..optim._base import _called_from_dcp_init, _check_global_step, _check_grad, _describe, _grads_fit
+from ..optim._base import (
+    _called_from_dcp_init,
+    _check_global_step,
+    _check_grad,
+    _describe,
+    _grads_fit,
+    _summed_rows,
+)
 from ..optim._wrapper import OptimizerWrapper
 from .transport import RpcEndpoint, ServerEndpoint
 
@@ -211,7 +218,11 @@ class AGNOptimizer(OptimizerWrapper):
         with torch.no_grad():
             for i, g in enumerate(grads):
                 if g is not None:
-                    self._accumulators[i].add_(g)
+                    if g.is_sparse:
+                        # TF adds the dense sum of the rows (duplicates summed first, see _summed_rows).
+                        self._accumulators[i].index_add_(0, *_summed_rows(g))
+                    else:
+                        self._accumulators[i].add_(g)
                     self._pending.add(i)
 
     def _accumulate_unless_skipped(self, grads: list[Tensor | None]) -> None:
@@ -226,9 +237,9 @@ class AGNOptimizer(OptimizerWrapper):
                     continue
                 keep = applied.to(g.device).bool()
                 if g.is_sparse:
-                    g = g.coalesce()
-                    values = torch.where(keep, g._values(), torch.zeros_like(g._values()))
-                    self._accumulators[i].add_(torch.sparse_coo_tensor(g._indices(), values, g.shape))
+                    rows, values = _summed_rows(g)
+                    kept = torch.where(keep, values, torch.zeros_like(values))
+                    self._accumulators[i].index_add_(0, rows, kept)
                 else:
                     self._accumulators[i].add_(torch.where(keep, g, torch.zeros_like(g)))
                 torch.maximum(self._seen[i], applied.to(self._seen[i].device), out=self._seen[i])

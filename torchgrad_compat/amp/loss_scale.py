@@ -19,7 +19,7 @@ from typing import Any, ClassVar
 import torch
 from torch import Tensor
 
-from ..optim._base import check_range, python_float
+from ..optim._base import _summed_rows, check_range, python_float
 
 __all__ = ["DynamicLossScale", "FixedLossScale", "LossScale", "as_loss_scale", "found_non_finite"]
 
@@ -354,8 +354,9 @@ def found_non_finite(grads: Iterable[Tensor | None], device: torch.device | str)
 
     Reads the gradients without changing them and without synchronising.
     ``None`` entries are skipped. A sparse gradient is judged by its values (as
-    TF judges an ``IndexedSlices``); an uncoalesced float16 one also by its
-    coalesced values, whose sums can overflow where the summands did not.
+    TF judges an ``IndexedSlices``); an uncoalesced float16 one also by the
+    sums of its duplicate rows, as the optimizers make them, which can overflow
+    where the summands did not.
     """
     groups: dict[tuple[torch.device, torch.dtype], list[Tensor]] = {}
     for g in grads:
@@ -367,7 +368,7 @@ def found_non_finite(grads: Iterable[Tensor | None], device: torch.device | str)
         if g.is_sparse:
             checked = [g._values()]
             if g.dtype == torch.float16 and not g.is_coalesced():
-                checked.append(g.coalesce()._values())
+                checked.append(_summed_rows(g)[1])
         for t in checked:
             # The infinity norm of an empty tensor is undefined; it has nothing to check.
             if t.numel():

@@ -1577,8 +1577,7 @@ class Optimizer(torch.optim.Optimizer):
                                 _CENSUS_HELD.reset(held)
                 for g, p in sparse.get(gi, []):
                     if self._coalesce_sparse:
-                        g = g.coalesce()
-                        indices, grad_values = g.indices()[0], g.values()
+                        indices, grad_values = _summed_rows(g)
                     else:
                         indices, grad_values = g._indices()[0], g._values()
                     hyper = HyperScalars(values, _compute_dtype(p.dtype), p.device)
@@ -3710,6 +3709,30 @@ def _check_rows(cls: str, g: Tensor, p: Tensor) -> None:
             "indices are not sorted and unique; build it without is_coalesced=True (or call "
             "coalesce() on an unmarked one)"
         )
+
+
+def _summed_rows(g: Tensor) -> tuple[Tensor, Tensor]:
+    """The rows of the row-sparse gradient ``g``, sorted and unique, and their values, with the
+    values of a row given more than once summed as TensorFlow sums them.
+
+    TF's optimizers sum the duplicates of an ``IndexedSlices`` with ``unsorted_segment_sum``:
+    from zero, adding each row's values in the order they are given. ``coalesce()`` adds them
+    in that order only up to 16 entries; past that its sort moves them, and the sums differ in
+    their last bits (more where the values cancel). On the CPU they are added here in the
+    order given (``index_add_`` into zeros goes through the rows in order); half-precision
+    values in float32, rounded once (TF rounds each addition to the half dtype). On other
+    devices, where TF's sum runs in no set order either, ``coalesce()`` sums them. A gradient
+    marked coalesced (rows sorted and unique, see :func:`_check_rows`) is taken as it is.
+    """
+    if g.is_coalesced() or g.device.type != "cpu":
+        g = g.coalesce()
+        return g._indices()[0], g._values()
+    values = g._values()
+    rows, where = torch.unique(g._indices()[0], return_inverse=True)
+    wide = values.float() if values.dtype in _HALF_DTYPES else values
+    summed = wide.new_zeros((rows.numel(), *values.shape[1:]))
+    summed.index_add_(0, where, wide)
+    return rows, summed.to(values.dtype)
 
 
 # int32 and int64, as TF's global_step; narrower integers wrap within a training run (uint8 at 256 steps).
