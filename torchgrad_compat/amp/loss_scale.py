@@ -175,6 +175,10 @@ class DynamicLossScale(LossScale):
     multiplier on backoff (torch multiplies by ``backoff_factor``), and counts
     good steps in int64.
 
+    Differences from TensorFlow: TF's constructor accepts a ``multiplier`` of 1 or
+    less, an ``initial_loss_scale`` of 0, below 0 or infinite, and an
+    ``increment_period`` of 0 or a fraction; each is refused here.
+
     Args:
         initial_loss_scale: the first scale, a Python number in ``(0, float32 max]``.
         increment_period: finite steps in a row before the scale grows, an int ``>= 1``.

@@ -114,9 +114,11 @@ class LossScaleOptimizer(OptimizerWrapper):
         1. It wraps any torch optimizer, and has the torch-style ``step`` and ``unscale_``.
         2. An uncoalesced float16 sparse gradient is also checked after its
            duplicate rows are summed (TF checks only the rows as given).
-        3. float64 gradients are accepted (TF's optimizer rejects them) and multiplied by
-           the float32 reciprocal of the scale, as torch's unscale kernel does: exact for a
-           power-of-two scale, within about 5e-8 relative otherwise.
+        3. float64, float16 and bfloat16 gradients are accepted (TF's optimizer rejects
+           every gradient that is not float32: it multiplies by the float32 reciprocal of
+           the scale without a cast). float64 ones are multiplied by that float32
+           reciprocal, as torch's unscale kernel does: exact for a power-of-two scale, within
+           about 5e-8 relative otherwise; half-precision ones in float32, rounded once.
         4. ``load_state_dict`` restores the loss scale's settings with its state, over
            the constructor's (as ``GradScaler.load_state_dict``); a TF checkpoint holds
            the scale and its counter only (``load_tf_checkpoint`` loads those).
