@@ -19,7 +19,6 @@ import torch
 import torch.distributed as dist
 from _autograd import FailingBackward
 from _procs import init_gloo
-from optim_specs import FUSED_TOL
 from torch import Tensor, nn
 
 import torchgrad_compat.optim as tgo
@@ -148,7 +147,7 @@ def check_full_batch_equivalence(rank: int, world: int) -> None:
 
 
 def check_fused_as_the_reference_loop(rank: int, world: int) -> None:
-    """A fused inner optimizer steps as the same run with ``foreach=False``, at test_fused.py's tolerance."""
+    """A fused inner optimizer steps as the same run with ``foreach=False``, bitwise."""
     # Chunks of 4 tensors, as in tests/test_fused.py: quick to compile.
     chunk, optim_base.FUSED_CHUNK = optim_base.FUSED_CHUNK, 4
     try:
@@ -168,10 +167,9 @@ def check_fused_as_the_reference_loop(rank: int, world: int) -> None:
             runs.append(trace)
     finally:
         optim_base.FUSED_CHUNK = chunk
-    rtol, atol = FUSED_TOL[torch.float32]
     for step, (fused, loop) in enumerate(zip(*runs, strict=True)):
         for f, r in zip(fused, loop, strict=True):
-            torch.testing.assert_close(f, r, rtol=rtol, atol=atol, msg=f"step {step} on rank {rank}")
+            assert torch.equal(f, r), f"step {step} on rank {rank}"
 
 
 def check_subgroups_full_batch_equivalence(rank: int, world: int) -> None:

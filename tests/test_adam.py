@@ -96,3 +96,19 @@ def test_betas_that_are_no_pair_are_named_when_set_between_steps(betas) -> None:
     with pytest.raises(TypeError, match=r"betas must be a pair \(beta1, beta2\)"):
         opt.step()
     assert torch.equal(p.detach(), before)
+
+
+@pytest.mark.parametrize("tensor_beta2", [False, True], ids=["number", "tensor"])
+def test_sparse_v_scales_the_square_as_a_tf1_session_does(tensor_beta2):
+    # TF's sparse Adam is made of graph ops: (g·g)(1-β₂) in its source, which a TF1 session's
+    # Grappler rewrites into g·(g(1-β₂)) when β₂ is a number (a constant of the graph). A tensor
+    # β₂, a variable in TF, keeps the source's order. The two orders differ for these values.
+    g = np.random.default_rng(0).standard_normal((2, 8)).astype(np.float32)
+    c = np.float32(1) - np.float32(0.99999)
+    expected = (g * g) * c if tensor_beta2 else g * (g * c)
+    assert not np.array_equal(g * (g * c), (g * g) * c)
+    p = torch.zeros(2, 8)
+    beta2 = torch.tensor(0.99999) if tensor_beta2 else 0.99999
+    opt = AdamOptimizer([p], learning_rate=0.5, beta2=beta2)
+    opt.apply_gradients([(torch.sparse_coo_tensor(torch.tensor([[0, 1]]), torch.from_numpy(g), (2, 8)), p)])
+    assert np.array_equal(opt.get_slot(p, "v").numpy(), expected)

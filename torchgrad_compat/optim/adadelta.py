@@ -8,7 +8,7 @@ from typing import Any, ClassVar
 import torch
 from torch import Tensor
 
-from ._base import Hyper, HyperScalars, Optimizer, pick_impl
+from ._base import Hyper, HyperScalars, Optimizer, foreach_sqrt_, pick_impl, sqrt_
 
 __all__ = ["AdadeltaOptimizer", "adadelta"]
 
@@ -161,7 +161,7 @@ def _single_tensor_adadelta(
 ) -> None:
     for p, g, a, u in zip(params, grads, accums, accum_updates, strict=True):
         a.mul_(rho).add_((g * g).mul_(one_minus_rho))  # 1. a = aρ + g²(1-ρ)
-        delta = (u + epsilon).sqrt_().mul_((a + epsilon).rsqrt_()).mul_(g)  # 2. Δ = √(u+ε)·rsqrt(a+ε)·g
+        delta = sqrt_(u + epsilon).mul_((a + epsilon).rsqrt_()).mul_(g)  # 2. Δ = √(u+ε)·rsqrt(a+ε)·g
         p.sub_(delta * lr)  # 3. θ = θ - Δη
         u.mul_(rho).add_((delta * delta).mul_(one_minus_rho))  # 4. u = uρ + Δ²(1-ρ)
 
@@ -192,7 +192,7 @@ def _multi_tensor_adadelta(
     torch._foreach_add_(accums, tmp)
     torch._foreach_copy_(delta, accum_updates)
     torch._foreach_add_(delta, eps)
-    torch._foreach_sqrt_(delta)
+    foreach_sqrt_(delta)
     torch._foreach_copy_(tmp, accums)
     torch._foreach_add_(tmp, eps)
     torch._foreach_rsqrt_(tmp)
@@ -214,7 +214,7 @@ def _sparse_adadelta(
     one_minus_rho = hyper.one - hyper.rho
     a = accum.index_select(0, indices).mul_(hyper.rho).add_((values * values).mul_(one_minus_rho))
     u = accum_update.index_select(0, indices)
-    delta = (u + hyper.epsilon).sqrt_().mul_((a + hyper.epsilon).rsqrt_()).mul_(values)
+    delta = sqrt_(u + hyper.epsilon).mul_((a + hyper.epsilon).rsqrt_()).mul_(values)
     p.index_copy_(0, indices, p.index_select(0, indices).sub_(delta * hyper.lr))
     accum.index_copy_(0, indices, a)
     accum_update.index_copy_(0, indices, u.mul_(hyper.rho).add_((delta * delta).mul_(one_minus_rho)))

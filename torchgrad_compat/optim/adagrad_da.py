@@ -8,7 +8,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from ._base import Hyper, Optimizer, _check_global_step, pick_impl
+from ._base import Hyper, Optimizer, _check_global_step, foreach_sqrt_, pick_impl, sqrt
 from .adagrad import constant_slot
 
 __all__ = ["AdagradDAOptimizer", "adagrad_da"]
@@ -252,7 +252,7 @@ def _single_tensor_adagrad_da(params, grads, grad_accums, squared_accums, *, neg
         else:
             shrunk = (a.abs() - t_l1).clamp_min_(0)  # 3. max(|a| - Tλ₁, 0)
             num = (a.sign() * neg_lr).mul_(shrunk)  #    -η·sign(a)·max(…)
-        den = s.sqrt()
+        den = sqrt(s)
         if l2_t_lr is not None:
             den.add_(l2_t_lr)
         p.copy_(num.div_(den))  # 4. θ = … / (λ₂(Tη) + √s)
@@ -279,7 +279,7 @@ def _multi_tensor_adagrad_da(params, grads, grad_accums, squared_accums, *, neg_
         torch._foreach_mul_(params, neg_lr)
         torch._foreach_mul_(params, tmp)
     torch._foreach_copy_(tmp, squared_accums)
-    torch._foreach_sqrt_(tmp)
+    foreach_sqrt_(tmp)
     if l2_t_lr is not None:
         torch._foreach_add_(tmp, l2_t_lr)
     torch._foreach_div_(params, tmp)
@@ -293,5 +293,5 @@ def _sparse_adagrad_da(p, indices, values, grad_accum, squared_accum, *, t, t_lr
     grad_accum.index_copy_(0, indices, a)
     squared_accum.index_copy_(0, indices, s)
     shrunk = a.abs().div_(t).sub_(l1).clamp_min_(0)
-    rows = a.sign().neg_().mul_(shrunk).div_(s.sqrt().div_(t_lr).add_(l2))
+    rows = a.sign().neg_().mul_(shrunk).div_(sqrt(s).div_(t_lr).add_(l2))
     p.index_copy_(0, indices, rows)

@@ -8,7 +8,7 @@ from typing import Any, ClassVar
 import torch
 from torch import Tensor
 
-from ._base import Hyper, HyperScalars, Optimizer, float32_tensor, pick_impl
+from ._base import Hyper, HyperScalars, Optimizer, float32_tensor, foreach_sqrt_, pick_impl, sqrt
 
 __all__ = ["AdamOptimizer", "adam"]
 
@@ -17,7 +17,7 @@ def _alpha(non_slot: dict[str, Tensor], hyper: HyperScalars) -> Tensor:
     """α = η·√(1 - p₂) / (1 - p₁), in the parameter dtype (TF casts the powers first)."""
     beta1_power = non_slot["beta1_power"].to(device=hyper.device, dtype=hyper.dtype)
     beta2_power = non_slot["beta2_power"].to(device=hyper.device, dtype=hyper.dtype)
-    return hyper.lr * torch.sqrt(hyper.one - beta2_power) / (hyper.one - beta1_power)
+    return hyper.lr * sqrt(hyper.one - beta2_power) / (hyper.one - beta1_power)
 
 
 class AdamOptimizer(Optimizer):
@@ -56,7 +56,10 @@ class AdamOptimizer(Optimizer):
     Sparse gradients (row-sparse COO) follow TF's sparse rule, which is *not*
     lazy: duplicate rows are summed, then ``m`` and ``v`` of every row decay
     (``m ← m β₁``, ``m[rows] += g (1-β₁)``, likewise ``v``) and every row of
-    the parameter moves.
+    the parameter moves. TF builds that rule from graph ops, which a TF1 session
+    rewrites (Grappler, on by default): with ``beta2`` a number it scales the
+    square as ``g·(g(1-β₂))``, not as the source's ``(g·g)(1-β₂)``; so does this
+    rule (a tensor ``beta2``, a variable in TF, keeps the source's order).
 
     Differences from ``torch.optim.Adam``:
         1. ``epsilon`` is added to :math:`\sqrt{v}`, not to the bias-corrected
@@ -275,7 +278,7 @@ def _single_tensor_adam(params, grads, ms, vs, *, alpha, one_minus_beta1, one_mi
     for p, g, m, v in zip(params, grads, ms, vs, strict=True):
         m.add_((g - m).mul_(one_minus_beta1))  # 1. m = m + (g - m)(1-β₁)
         v.add_((g * g).sub_(v).mul_(one_minus_beta2))  # 2. v = v + (g² - v)(1-β₂)
-        p.sub_((m * alpha).div_(v.sqrt().add_(epsilon)))  # 3. θ = θ - mα / (√v + ε̂)
+        p.sub_((m * alpha).div_(sqrt(v).add_(epsilon)))  # 3. θ = θ - mα / (√v + ε̂)
 
 
 def _multi_tensor_adam(params, grads, ms, vs, *, alpha, one_minus_beta1, one_minus_beta2, epsilon, scratch):
@@ -292,7 +295,7 @@ def _multi_tensor_adam(params, grads, ms, vs, *, alpha, one_minus_beta1, one_min
     torch._foreach_mul_(tmp, one_minus_beta2)
     torch._foreach_add_(vs, tmp)
     torch._foreach_copy_(denom, vs)
-    torch._foreach_sqrt_(denom)
+    foreach_sqrt_(denom)
     torch._foreach_add_(denom, epsilon)
     torch._foreach_copy_(tmp, ms)
     torch._foreach_mul_(tmp, alpha)
@@ -303,5 +306,12 @@ def _sparse_adam(p, indices, values, m, v, *, alpha, hyper):
     # TF's _apply_sparse_shared: every row decays and moves; only the given rows
     # receive the gradient. The association differs from the dense kernel.
     m.mul_(hyper.beta1).index_add_(0, indices, values * (hyper.one - hyper.beta1))
-    v.mul_(hyper.beta2).index_add_(0, indices, (values * values) * (hyper.one - hyper.beta2))
-    p.sub_((alpha * m).div_(v.sqrt().add_(hyper.epsilon)))
+    # TF's source scales the square, (g·g)(1-β₂); a TF1 session (Grappler, on by default) rewrites
+    # that into g·(g(1-β₂)) where 1-β₂ is a constant of the graph: β₂ a number. (A tensor β₂, a
+    # variable in TF, keeps the source's order.) The two differ by an ulp for a third of elements.
+    if isinstance(hyper.value("beta2"), Tensor):
+        scaled_square = (values * values) * (hyper.one - hyper.beta2)
+    else:
+        scaled_square = values * (values * (hyper.one - hyper.beta2))
+    v.mul_(hyper.beta2).index_add_(0, indices, scaled_square)
+    p.sub_((alpha * m).div_(sqrt(v).add_(hyper.epsilon)))

@@ -9,7 +9,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from ._base import Hyper, HyperScalars, Optimizer, float32_tensor, pick_impl
+from ._base import Hyper, HyperScalars, Optimizer, float32_tensor, foreach_sqrt_, pick_impl, sqrt
 
 __all__ = ["FtrlOptimizer", "ftrl"]
 
@@ -228,7 +228,7 @@ def _power(x: Tensor, neg_lr_power: Tensor | None) -> Tensor:
     same bits. (float64 tensors keep that dependence: see the class docstring.)
     """
     if neg_lr_power is None:
-        return x.sqrt()
+        return sqrt(x)
     if x.dtype == torch.float64:
         return torch.pow(x, neg_lr_power)
     return torch.pow(x.double(), neg_lr_power.double()).to(x.dtype)
@@ -237,7 +237,7 @@ def _power(x: Tensor, neg_lr_power: Tensor | None) -> Tensor:
 def _foreach_power_(xs: list[Tensor], neg_lr_power: Tensor | None) -> None:
     """``x ← x ** -lr_power`` in place for every ``x`` in ``xs`` (see ``_power``)."""
     if neg_lr_power is None:
-        torch._foreach_sqrt_(xs)
+        foreach_sqrt_(xs)
         return
     # A list of exponents keeps torch.pow(Tensor, Tensor); a single 0-d tensor
     # would become a Python scalar, whose kernel special-cases some exponents.

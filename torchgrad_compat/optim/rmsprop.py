@@ -8,7 +8,7 @@ from typing import Any, ClassVar
 import torch
 from torch import Tensor
 
-from ._base import Flag, Hyper, HyperScalars, Optimizer, pick_impl
+from ._base import Flag, Hyper, HyperScalars, Optimizer, foreach_sqrt_, pick_impl, sqrt_
 
 __all__ = ["RMSPropOptimizer", "rmsprop"]
 
@@ -228,7 +228,7 @@ def _single_tensor_rmsprop(
             denom = (ms - mg * mg).add_(epsilon)  # 3. d = (ms - mg²) + ε
         else:
             denom = ms + epsilon  # 3. d = ms + ε
-        mom.mul_(momentum).add_((g * lr).div_(denom.sqrt_()))  # 4. mom = mom·μ + gη/√d
+        mom.mul_(momentum).add_((g * lr).div_(sqrt_(denom)))  # 4. mom = mom·μ + gη/√d
         p.sub_(mom)  # 5. θ = θ - mom
 
 
@@ -270,7 +270,7 @@ def _multi_tensor_rmsprop(
     else:
         torch._foreach_copy_(denom, mss)
     torch._foreach_add_(denom, [epsilon] * len(denom))
-    torch._foreach_sqrt_(denom)
+    foreach_sqrt_(denom)
     torch._foreach_copy_(tmp, grads)
     torch._foreach_mul_(tmp, lr)
     torch._foreach_mul_(moms, momentum)
