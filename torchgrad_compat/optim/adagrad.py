@@ -8,7 +8,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from ._base import Hyper, Optimizer, pick_impl
+from ._base import Hyper, Optimizer, pick_impl, sqrt
 
 __all__ = ["AdagradOptimizer", "adagrad"]
 
@@ -34,8 +34,9 @@ class AdagradOptimizer(Optimizer):
     Numerics: TF evaluates ``rsqrt`` with Eigen's vectorised approximation (up
     to 2 ulp from ``1/√a``, depending on the CPU); ``torch.rsqrt`` stands in the
     same place of the formula, so results agree with TF to a few ulp, not bit
-    for bit. TF's kernel for 1-D variables divides by an exact ``√a`` instead;
-    this optimizer uses one formula for every shape.
+    for bit. TF's sparse kernel for rows of one element (1-D variables, rows
+    of shape (1,)) divides by an exact ``√a`` instead, and so does this
+    optimizer there: those rows are TF's bit for bit.
 
     Differences from ``torch.optim.Adagrad``:
         1. The accumulator starts at ``initial_accumulator_value`` = 0.1 (torch: 0)
@@ -175,8 +176,13 @@ def _multi_tensor_adagrad(params, grads, accums, *, lr, scratch):
 
 def _sparse_adagrad(p, indices, values, accum, *, lr):
     # TF's SparseApplyAdagrad applies the dense formula to the given rows only
-    # (rows are unique after coalescing).
+    # (rows are unique after coalescing); for rows of one element its scalar code
+    # divides by the square root, θ - (ηg)/√a, where the others multiply by rsqrt.
     rows, accum_rows = p.index_select(0, indices), accum.index_select(0, indices)
-    _single_tensor_adagrad([rows], [values], [accum_rows], lr=lr)
+    if p.numel() == p.shape[0]:
+        accum_rows.add_(values * values)
+        rows.sub_((values * lr).div_(sqrt(accum_rows)))
+    else:
+        _single_tensor_adagrad([rows], [values], [accum_rows], lr=lr)
     accum.index_copy_(0, indices, accum_rows)
     p.index_copy_(0, indices, rows)

@@ -54,8 +54,9 @@ class AdagradDAOptimizer(Optimizer):
     rows keep their value although :math:`T` advanced. TF's sparse kernel
     evaluates the same quantity as
     :math:`-\operatorname{sign}(a)\max(|a|/T - \lambda_1, 0) / (\lambda_2 + \sqrt{s}/(T\eta))`,
-    which is reproduced; its kernel for 1-D variables instead computes in
-    float64, so 1-D sparse results agree with TF to a few ulp.
+    which is reproduced; for rows of one element (1-D variables, rows of
+    shape (1,)) it computes the dense form in float64 instead, and so does
+    this optimizer: those rows are TF's bit for bit.
 
     Differences from TF:
         1. ``global_step`` may be omitted (TF requires it); see above.
@@ -182,7 +183,21 @@ class AdagradDAOptimizer(Optimizer):
         )
 
     def _apply_sparse(self, group, p, indices, values, slots, non_slot, hyper):
-        t = self._step_index(non_slot, hyper.device).to(hyper.dtype)
+        step = self._step_index(non_slot, hyper.device)
+        if p.numel() == p.shape[0]:
+            _sparse_adagrad_da_scalar_rows(
+                p,
+                indices,
+                values,
+                slots["gradient_accumulator"],
+                slots["gradient_squared_accumulator"],
+                step=step,
+                lr=hyper.lr,
+                l1=hyper.l1,
+                l2=hyper.l2,
+            )
+            return
+        t = step.to(hyper.dtype)
         _sparse_adagrad_da(
             p,
             indices,
@@ -295,3 +310,19 @@ def _sparse_adagrad_da(p, indices, values, grad_accum, squared_accum, *, t, t_lr
     shrunk = a.abs().div_(t).sub_(l1).clamp_min_(0)
     rows = a.sign().neg_().mul_(shrunk).div_(sqrt(s).div_(t_lr).add_(l2))
     p.index_copy_(0, indices, rows)
+
+
+def _sparse_adagrad_da_scalar_rows(p, indices, values, grad_accum, squared_accum, *, step, lr, l1, l2):
+    # TF's SparseApplyAdagradDA takes rows of one element through scalar code in double: each
+    # gradient (and its square) is added in double and the sum rounded to the accumulator's dtype;
+    # θ = sign(-a)·η·max(|a| - T·λ₁, 0) / (T·λ₂·η + √s), with √s in the accumulator's dtype and
+    # the rest in double, rounded once. (The rows of more elements rearrange it: _sparse_adagrad_da.)
+    g = values.reshape(-1).double()
+    a = (grad_accum.index_select(0, indices).reshape(-1).double() + g).to(p.dtype)
+    s = (squared_accum.index_select(0, indices).reshape(-1).double() + g * g).to(p.dtype)
+    grad_accum.index_copy_(0, indices, a.reshape(-1, *p.shape[1:]))
+    squared_accum.index_copy_(0, indices, s.reshape(-1, *p.shape[1:]))
+    t, lr, l1, l2 = step.double(), lr.double(), l1.double(), l2.double()
+    den = (t * l2 * lr) + sqrt(s).double()
+    rows = (a.neg().sign().double() * lr * (a.abs().double() - t * l1).clamp_min(0)).div_(den)
+    p.index_copy_(0, indices, rows.to(p.dtype).reshape(-1, *p.shape[1:]))

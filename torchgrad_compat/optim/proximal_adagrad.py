@@ -8,7 +8,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from ._base import Hyper, HyperScalars, Optimizer, pick_impl
+from ._base import Hyper, HyperScalars, Optimizer, pick_impl, sqrt
 from .adagrad import constant_slot
 
 __all__ = ["ProximalAdagradOptimizer", "proximal_adagrad"]
@@ -48,8 +48,9 @@ class ProximalAdagradOptimizer(Optimizer):
     Numerics: TF evaluates ``rsqrt`` with Eigen's vectorised approximation (up
     to 2 ulp from ``1/√a``, depending on the CPU); ``torch.rsqrt`` stands in the
     same place, so results agree with TF to a few ulp, not bit for bit. TF's
-    sparse kernel for 1-D variables uses an exact ``η/√a`` and a float64
-    denominator; this optimizer uses one formula for every shape.
+    sparse kernel for rows of one element (1-D variables, rows of shape (1,))
+    uses an exact ``η/√a`` and a float64 denominator, and so does this
+    optimizer there: those rows are TF's bit for bit.
 
     Differences from TF:
         1. TF's dense path passes the float32 hyperparameters uncast, so it
@@ -224,8 +225,20 @@ def _multi_tensor_proximal_adagrad(params, grads, accums, *, lr, l1, l2, scratch
 
 def _sparse_proximal_adagrad(p, indices, values, accum, *, lr, l1, l2):
     # TF's SparseApplyProximalAdagrad applies the dense formula to the given
-    # rows only (rows are unique after coalescing).
+    # rows only (rows are unique after coalescing). For rows of one element its
+    # scalar code takes η_t = η/√a (a division, not rsqrt) and divides by
+    # 1.0 + λ₂η_t in double (the literal is one), rounding the quotient once.
     rows, accum_rows = p.index_select(0, indices), accum.index_select(0, indices)
-    _single_tensor_proximal_adagrad([rows], [values], [accum_rows], lr=lr, l1=l1, l2=l2)
+    if p.numel() != p.shape[0]:
+        _single_tensor_proximal_adagrad([rows], [values], [accum_rows], lr=lr, l1=l1, l2=l2)
+    else:
+        accum_rows.add_(values * values)
+        lr_t = lr / sqrt(accum_rows)
+        rows.sub_(lr_t * values)
+        if l1 is not None:
+            shrunk = (rows.abs() - lr_t * l1).clamp_min_(0)
+            rows.sign_().mul_(shrunk)
+        if l2 is not None:
+            rows = (rows.double() / (1.0 + (lr_t * l2).double())).to(rows.dtype)
     accum.index_copy_(0, indices, accum_rows)
     p.index_copy_(0, indices, rows)

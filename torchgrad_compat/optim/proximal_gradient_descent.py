@@ -37,10 +37,9 @@ class ProximalGradientDescentOptimizer(Optimizer):
 
     Sparse gradients (row-sparse COO) are lazy, as in TF: duplicate rows are
     summed (unlike ``GradientDescentOptimizer``), then only the given rows are
-    stepped and shrunk; the other rows get no shrinkage. TF's kernel for 1-D
-    variables evaluates the denominator in float64; this optimizer uses one
-    formula for every shape, so 1-D sparse results with :math:`\lambda_2 > 0`
-    agree with TF to an ulp.
+    stepped and shrunk; the other rows get no shrinkage. TF's kernel for rows
+    of one element (1-D variables, rows of shape (1,)) divides by a float64
+    denominator, and so does this optimizer there (bit for bit).
 
     Differences from TF:
         1. TF's dense path passes the float32 hyperparameters uncast, so it
@@ -111,7 +110,8 @@ class ProximalGradientDescentOptimizer(Optimizer):
         )
 
     def _apply_sparse(self, group, p, indices, values, slots, non_slot, hyper):
-        _sparse_proximal_gradient_descent(p, indices, values, **_scalars(hyper))
+        l2_lr = None if hyper.is_zero("l2") else hyper.l2 * hyper.lr
+        _sparse_proximal_gradient_descent(p, indices, values, **_scalars(hyper), l2_lr=l2_lr)
 
 
 def _scalars(hyper: HyperScalars) -> dict[str, Tensor | None]:
@@ -188,9 +188,16 @@ def _multi_tensor_proximal_gradient_descent(params, grads, *, lr, lr_l1, denom, 
         torch._foreach_div_(params, denom)
 
 
-def _sparse_proximal_gradient_descent(p, indices, values, *, lr, lr_l1, denom):
+def _sparse_proximal_gradient_descent(p, indices, values, *, lr, lr_l1, denom, l2_lr):
     # TF's SparseApplyProximalGradientDescent applies the dense formula to the
-    # given rows only (rows are unique after coalescing).
+    # given rows only (rows are unique after coalescing). For rows of one element
+    # its scalar code divides by ``1.0 + λ₂η``, a double (the literal is one): in
+    # float32 the quotient is taken in float64 and rounded once.
     rows = p.index_select(0, indices)
-    _single_tensor_proximal_gradient_descent([rows], [values], lr=lr, lr_l1=lr_l1, denom=denom)
+    in_double = l2_lr is not None and p.dtype == torch.float32 and p.numel() == p.shape[0]
+    _single_tensor_proximal_gradient_descent(
+        [rows], [values], lr=lr, lr_l1=lr_l1, denom=None if in_double else denom
+    )
+    if in_double:
+        rows = (rows.double() / (1.0 + l2_lr.double())).to(rows.dtype)
     p.index_copy_(0, indices, rows)
