@@ -3767,6 +3767,13 @@ def _check_rows(cls: str, g: Tensor, p: Tensor) -> None:
         )
 
 
+def one_element_rows(p: Tensor) -> bool:
+    """Whether each row of ``p`` holds one element (a 1-D parameter, or rows of shape (1,)): TF's
+    sparse kernels take such a variable (``inner_dim == 1``) through scalar C++ code, whose
+    roundings the sparse rules follow there."""
+    return math.prod(p.shape[1:]) == 1
+
+
 def _summed_rows(g: Tensor) -> tuple[Tensor, Tensor]:
     """The rows of the row-sparse gradient ``g``, sorted and unique, and their values, with the
     values of a row given more than once summed as TensorFlow sums them.

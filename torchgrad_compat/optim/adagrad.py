@@ -8,7 +8,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from ._base import Hyper, Optimizer, pick_impl, sqrt
+from ._base import Hyper, Optimizer, one_element_rows, pick_impl, sqrt
 
 __all__ = ["AdagradOptimizer", "adagrad"]
 
@@ -179,7 +179,7 @@ def _sparse_adagrad(p, indices, values, accum, *, lr):
     # (rows are unique after coalescing); for rows of one element its scalar code
     # divides by the square root, θ - (ηg)/√a, where the others multiply by rsqrt.
     rows, accum_rows = p.index_select(0, indices), accum.index_select(0, indices)
-    if p.numel() == p.shape[0]:
+    if one_element_rows(p):
         accum_rows.add_(values * values)
         rows.sub_((values * lr).div_(sqrt(accum_rows)))
     else:

@@ -8,7 +8,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from ._base import Hyper, Optimizer, _check_global_step, foreach_sqrt_, pick_impl, sqrt
+from ._base import Hyper, Optimizer, _check_global_step, foreach_sqrt_, one_element_rows, pick_impl, sqrt
 from .adagrad import constant_slot
 
 __all__ = ["AdagradDAOptimizer", "adagrad_da"]
@@ -184,7 +184,7 @@ class AdagradDAOptimizer(Optimizer):
 
     def _apply_sparse(self, group, p, indices, values, slots, non_slot, hyper):
         step = self._step_index(non_slot, hyper.device)
-        if p.numel() == p.shape[0]:
+        if one_element_rows(p):
             _sparse_adagrad_da_scalar_rows(
                 p,
                 indices,

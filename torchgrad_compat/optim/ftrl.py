@@ -9,7 +9,16 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from ._base import Hyper, HyperScalars, Optimizer, float32_tensor, foreach_sqrt_, pick_impl, sqrt
+from ._base import (
+    Hyper,
+    HyperScalars,
+    Optimizer,
+    float32_tensor,
+    foreach_sqrt_,
+    one_element_rows,
+    pick_impl,
+    sqrt,
+)
 
 __all__ = ["FtrlOptimizer", "ftrl"]
 
@@ -408,7 +417,7 @@ def _sparse_ftrl(
     g_hat = values if two_l2_shrinkage is None else values + two_l2_shrinkage * theta
     root = _power(new_a, neg_lr_power)
     sigma_theta = (root - _power(a, neg_lr_power)).div_(lr).mul_(theta)
-    if math.prod(p.shape[1:]) == 1:
+    if one_element_rows(p):
         # TF's kernel for one element per row is scalar C++: (l + ĝ) - σθ.
         lin = (lin + g_hat).sub_(sigma_theta)
     else:

@@ -8,7 +8,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from ._base import Hyper, HyperScalars, Optimizer, pick_impl, sqrt
+from ._base import Hyper, HyperScalars, Optimizer, one_element_rows, pick_impl, sqrt
 from .adagrad import constant_slot
 
 __all__ = ["ProximalAdagradOptimizer", "proximal_adagrad"]
@@ -229,7 +229,7 @@ def _sparse_proximal_adagrad(p, indices, values, accum, *, lr, l1, l2):
     # scalar code takes η_t = η/√a (a division, not rsqrt) and divides by
     # 1.0 + λ₂η_t in double (the literal is one), rounding the quotient once.
     rows, accum_rows = p.index_select(0, indices), accum.index_select(0, indices)
-    if p.numel() != p.shape[0]:
+    if not one_element_rows(p):
         _single_tensor_proximal_adagrad([rows], [values], [accum_rows], lr=lr, l1=l1, l2=l2)
     else:
         accum_rows.add_(values * values)

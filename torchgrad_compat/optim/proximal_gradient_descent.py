@@ -8,7 +8,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from ._base import Hyper, HyperScalars, Optimizer, pick_impl
+from ._base import Hyper, HyperScalars, Optimizer, one_element_rows, pick_impl
 
 __all__ = ["ProximalGradientDescentOptimizer", "proximal_gradient_descent"]
 
@@ -194,7 +194,7 @@ def _sparse_proximal_gradient_descent(p, indices, values, *, lr, lr_l1, denom, l
     # its scalar code divides by ``1.0 + λ₂η``, a double (the literal is one): in
     # float32 the quotient is taken in float64 and rounded once.
     rows = p.index_select(0, indices)
-    in_double = l2_lr is not None and p.dtype == torch.float32 and p.numel() == p.shape[0]
+    in_double = l2_lr is not None and p.dtype == torch.float32 and one_element_rows(p)
     _single_tensor_proximal_gradient_descent(
         [rows], [values], lr=lr, lr_l1=lr_l1, denom=None if in_double else denom
     )
