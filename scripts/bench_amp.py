@@ -51,7 +51,7 @@ import torch
 from torch import Tensor
 
 from torchgrad_compat.amp import LossScaleOptimizer
-from torchgrad_compat.optim._base import _run_fused
+from torchgrad_compat.optim._fused.run import run_fused
 from torchgrad_compat.optim.adam import AdamOptimizer
 
 SCALE = 2.0**15
@@ -201,7 +201,7 @@ def time_checks(grads: list[Tensor], args: argparse.Namespace) -> list[tuple[str
     def read_only() -> None:
         total.zero_()
         with torch.no_grad():
-            _run_fused(_non_finite_sum, grads, grads, total=total)
+            run_fused(_non_finite_sum, grads, grads, total=total)
 
     variants: list[tuple[str, Callable[[], object]]] = [
         (

@@ -22,7 +22,7 @@ from _procs import init_gloo
 from torch import Tensor, nn
 
 import torchgrad_compat.optim as tgo
-import torchgrad_compat.optim._base as optim_base
+import torchgrad_compat.optim._fused.config as fused_config
 from torchgrad_compat.xla import CrossShardOptimizer
 
 STEPS = 3
@@ -149,7 +149,7 @@ def check_full_batch_equivalence(rank: int, world: int) -> None:
 def check_fused_as_the_reference_loop(rank: int, world: int) -> None:
     """A fused inner optimizer steps as the same run with ``foreach=False``, bitwise."""
     # Chunks of 4 tensors, as in tests/test_fused.py: quick to compile.
-    chunk, optim_base.FUSED_CHUNK = optim_base.FUSED_CHUNK, 4
+    chunk, fused_config.FUSED_CHUNK = fused_config.FUSED_CHUNK, 4
     try:
         runs = []
         for path in ({"fused": True}, {"foreach": False}):
@@ -166,7 +166,7 @@ def check_fused_as_the_reference_loop(rank: int, world: int) -> None:
             assert all(torch.equal(e, everyone[rank]) for e in everyone), f"{path}: ranks differ bitwise"
             runs.append(trace)
     finally:
-        optim_base.FUSED_CHUNK = chunk
+        fused_config.FUSED_CHUNK = chunk
     for step, (fused, loop) in enumerate(zip(*runs, strict=True)):
         for f, r in zip(fused, loop, strict=True):
             assert torch.equal(f, r), f"step {step} on rank {rank}"

@@ -38,7 +38,7 @@ from torch import Tensor, nn
 from torch.nn import functional as F
 
 import torchgrad_compat.optim as tgo
-import torchgrad_compat.optim._base as optim_base
+import torchgrad_compat.optim._fused.config as fused_config
 from torchgrad_compat.amp import DynamicLossScale, LossScaleOptimizer
 
 WORLD = 2
@@ -202,7 +202,7 @@ RUNS: dict[str, Callable[[int], list[dict[str, Any]]]] = {
 def run_rank(rank: int, port: int, out_dir: str) -> None:
     """Entry point of a spawned rank: one gloo group, every scenario, results saved per rank."""
     # Fused kernels over chunks of 4 tensors, as in tests/test_fused.py: quick to compile.
-    optim_base.FUSED_CHUNK = 4
+    fused_config.FUSED_CHUNK = 4
     init_gloo(rank, WORLD, port)
     results: dict[str, Any] = {}
     try:

@@ -7,7 +7,7 @@ import torch
 from optim_specs import SPECS, OptimSpec
 from torch._dynamo.utils import counters
 
-import torchgrad_compat.optim._base as optim_base
+import torchgrad_compat.optim._numerics as optim_numerics
 
 DEFAULT_CONFIGS = [(spec, next(iter(spec.configs))) for spec in SPECS]
 DEFAULT_IDS = [spec.name.removesuffix("Optimizer") for spec, _ in DEFAULT_CONFIGS]
@@ -63,7 +63,7 @@ def test_compiled_step_under_a_scheduler_compiles_at_most_twice_and_tracks_eager
             s.step()
     assert counters["stats"]["unique_graphs"] <= 2
     # Inductor fuses the update into one kernel, each op rounded as eager's (its square root
-    # correctly rounded, as the eager step's: see optim._base.sqrt): bitwise eager.
+    # correctly rounded, as the eager step's: see optim._numerics.sqrt): bitwise eager.
     for c, e in zip(compiled_params, eager_params, strict=True):
         assert torch.equal(c, e)
 
@@ -74,7 +74,7 @@ def test_compiled_train_step_matches_eager(spec: OptimSpec, cid: str, monkeypatc
     # captured graph as is, forward, backward and step are bitwise eager. (A graph
     # takes torch's square root, which such a backend runs as torch's eager one;
     # eager steps take numpy's, correctly rounded, unless told not to, as here.)
-    monkeypatch.setattr(optim_base, "_numpy_view", lambda t: None)
+    monkeypatch.setattr(optim_numerics, "_numpy_view", lambda t: None)
     backend = CountingBackend()
     compiled_params, eager_params = _params(), _params()
     x = torch.randn(8, 4, generator=torch.Generator().manual_seed(7))
@@ -107,13 +107,13 @@ def test_compiled_step_on_cuda_under_eager_roundings_is_bitwise_eager(spec: Opti
     measured over 60000 elements, 0 differ for the others (25% for GradientDescent with
     Inductor's defaults). Ftrl's update is traced from its loop there; with a power, Triton's
     `pow` is not CUDA's (up to 3.6e-7 measured), so Ftrl is held to 1e-6, as on CPU."""
-    from torchgrad_compat.optim._base import _triton_options
+    from torchgrad_compat._torch_internals import triton_options
 
     compiled_params = [p.detach().cuda().requires_grad_() for p in _params()]
     eager_params = [p.detach().cuda().requires_grad_() for p in _params()]
     compiled_opt, eager_opt = spec.make(compiled_params, cid), spec.make(eager_params, cid)
     step = torch.compile(compiled_opt.step)
-    with torch._inductor.config.patch(_triton_options()):
+    with torch._inductor.config.patch(triton_options(16)):
         for i in range(5):
             for params in (compiled_params, eager_params):
                 for p, g in zip(params, _grads(params, i), strict=True):

@@ -29,8 +29,18 @@ import torch
 from optim_specs import FUSED_TOL, SPECS, OptimSpec
 from torch._dynamo.utils import counters
 
+import torchgrad_compat._torch_internals as torch_internals
 import torchgrad_compat.optim as tgo
-import torchgrad_compat.optim._base as optim_base
+import torchgrad_compat.optim._census as optim_census
+import torchgrad_compat.optim._fused.config as fused_config
+import torchgrad_compat.optim._fused.kernel as fused_kernel
+import torchgrad_compat.optim._fused.plan as fused_plan
+import torchgrad_compat.optim._fused.run as fused_run
+import torchgrad_compat.optim._hyper as optim_hyper
+import torchgrad_compat.optim._numerics as optim_numerics
+import torchgrad_compat.optim._replay as optim_replay
+import torchgrad_compat.optim._slots as optim_slots
+import torchgrad_compat.optim.optimizer as optim_optimizer
 from torchgrad_compat.amp import DynamicLossScale, LossScaleOptimizer
 
 ALL_CONFIGS = [(spec, cid) for spec in SPECS for cid in spec.configs]
@@ -39,7 +49,7 @@ ALL_IDS = [f"{spec.name.removesuffix('Optimizer')}-{cid}" for spec, cid in ALL_C
 
 def _bitwise_as_the_loop(spec: OptimSpec, cid: str, dtype: torch.dtype, device: str) -> bool:
     """Whether the fused kernels give the loop's bits: every op rounds as the loop's (the loop's
-    square root is correctly rounded, as the compiled one is; on CUDA, see _triton_options), but
+    square root is correctly rounded, as the compiled one is; on CUDA, see triton_options), but
     Ftrl's powers other than -0.5: Triton's pow on CUDA, and on the CPU a float64 pow (float32
     powers are taken in float64 and rounded on both paths, and agree)."""
     if "learning_rate_power" not in spec.configs[cid]:
@@ -54,7 +64,7 @@ STEPS = 3
 
 @pytest.fixture(autouse=True)
 def _small_chunks(monkeypatch):
-    monkeypatch.setattr(optim_base, "FUSED_CHUNK", 4)
+    monkeypatch.setattr(fused_config, "FUSED_CHUNK", 4)
     counters.clear()
 
 
@@ -79,7 +89,7 @@ def test_fused_matches_the_reference_loop(spec: OptimSpec, cid: str, dtype: torc
     reference = _run(spec, cid, dtype, device, foreach=False)
     # Every kernel is called directly: none fell back to dynamo's per-call guards. On CPU, each
     # call goes to the one C++ function of the generated code, given the sizes of its rows.
-    kernels = optim_base._FusedKernel._compiled.values()
+    kernels = fused_kernel._FusedKernel._compiled.values()
     assert all(kernel.direct is not None for kernel in kernels)
     assert device != "cpu" or all(kernel.alone is not None for kernel in kernels)
     if _bitwise_as_the_loop(spec, cid, dtype, device):
@@ -93,7 +103,7 @@ def test_fused_matches_the_reference_loop(spec: OptimSpec, cid: str, dtype: torc
 
 def test_the_loops_square_root_is_correctly_rounded_as_the_compiled_one_is():
     """torch's eager CPU sqrt is not correctly rounded in every release (torch 2.13: an ulp off for
-    about 17% of float32 inputs); the loop's (optim._base.sqrt) and the compiled kernel's are, so
+    about 17% of float32 inputs); the loop's (optim._numerics.sqrt) and the compiled kernel's are, so
     that the fused path gives the loop's bits. float32 against float64 (a faithful float64 root
     rounds to the correctly rounded float32 one), float64 against Python's math.sqrt."""
     gen = torch.Generator().manual_seed(0)
@@ -101,14 +111,14 @@ def test_the_loops_square_root_is_correctly_rounded_as_the_compiled_one_is():
     exact = x.double().sqrt().float()
     compiled = torch.compile(torch.sqrt, dynamic=True)(x)
     with torch.no_grad():
-        ours, ours_in_place = optim_base.sqrt(x), optim_base.sqrt_(x.clone())
+        ours, ours_in_place = optim_numerics.sqrt(x), optim_numerics.sqrt_(x.clone())
         ours_listed = [t.clone() for t in x.split(999)]
-        optim_base.foreach_sqrt_(ours_listed)
+        optim_numerics.foreach_sqrt_(ours_listed)
     for result in (compiled, ours, ours_in_place, torch.cat(ours_listed)):
         assert torch.equal(result, exact)
     x64 = x[:5000].double() * (1 + 1e-9)
     with torch.no_grad():
-        ours64 = optim_base.sqrt(x64)
+        ours64 = optim_numerics.sqrt(x64)
     assert ours64.tolist() == [math.sqrt(v) for v in x64.tolist()]
 
 
@@ -116,7 +126,7 @@ def test_one_graph_across_steps_schedulers_loads_and_shapes():
     """Every chunk, step, learning rate and loaded checkpoint reuses one compiled graph."""
     # Graphs other tests compiled would be reused here.
     torch._dynamo.reset()
-    optim_base._FusedKernel._compiled.clear()
+    fused_kernel._FusedKernel._compiled.clear()
     counters.clear()
     gen = torch.Generator().manual_seed(1)
     shapes = [(3, 5), (7,), (4, 2, 3), (10,), (2, 2), (9, 9), (11,), (6, 1, 2), (5,), (3, 3, 3), (8,)]
@@ -132,18 +142,18 @@ def test_one_graph_across_steps_schedulers_loads_and_shapes():
             opt.load_state_dict(opt.state_dict())
     assert counters["stats"]["unique_graphs"] == 1
     # Every call after the first went to Inductor's function directly, not through dynamo's guards.
-    (kernel,) = optim_base._FusedKernel._compiled.values()
+    (kernel,) = fused_kernel._FusedKernel._compiled.values()
     assert kernel.direct is not None
 
 
 def test_a_graph_whose_inputs_cannot_be_placed_runs_through_torch_compile(monkeypatch):
     """The fallback for a graph the direct call cannot feed: every call goes through dynamo, same numbers."""
-    monkeypatch.setattr(optim_base._FusedKernel, "_compiled", {})
-    monkeypatch.setattr(optim_base, "_placeholder_layout", lambda *args: None)
+    monkeypatch.setattr(fused_kernel._FusedKernel, "_compiled", {})
+    monkeypatch.setattr(fused_kernel, "_placeholder_layout", lambda *args: None)
     spec = next(spec for spec in SPECS if spec.name == "MomentumOptimizer")
     cid = next(iter(spec.configs))
     fused = _run(spec, cid, torch.float32, fused=True)
-    assert all(kernel.direct is None for kernel in optim_base._FusedKernel._compiled.values())
+    assert all(kernel.direct is None for kernel in fused_kernel._FusedKernel._compiled.values())
     for f, r in zip(fused, _run(spec, cid, torch.float32, foreach=False), strict=True):
         assert torch.equal(f, r)
 
@@ -153,10 +163,10 @@ def test_calls_through_the_generated_code_give_the_rows_of_its_kernel_alone(monk
     spec = next(spec for spec in SPECS if spec.name == "MomentumOptimizer")
     cid = next(iter(spec.configs))
     alone = _run(spec, cid, torch.float32, fused=True)
-    monkeypatch.setattr(optim_base._FusedKernel, "_compiled", {})
-    monkeypatch.setattr(optim_base, "_kernel_alone", lambda *args: None)
+    monkeypatch.setattr(fused_kernel._FusedKernel, "_compiled", {})
+    monkeypatch.setattr(fused_kernel, "_kernel_alone", lambda *args: None)
     through = _run(spec, cid, torch.float32, fused=True)
-    kernels = optim_base._FusedKernel._compiled.values()
+    kernels = fused_kernel._FusedKernel._compiled.values()
     assert kernels and all(kernel.alone is None and kernel.inner is not None for kernel in kernels)
     for a, t, r in zip(alone, through, _run(spec, cid, torch.float32, foreach=False), strict=True):
         assert torch.equal(a, r) and torch.equal(t, r)
@@ -167,10 +177,10 @@ def test_calls_to_the_compiled_function_give_the_rows_of_the_generated_code(monk
     to the compiled function (which bumps the versions of what it writes): the same numbers."""
     spec = next(spec for spec in SPECS if spec.name == "MomentumOptimizer")
     cid = next(iter(spec.configs))
-    monkeypatch.setattr(optim_base._FusedKernel, "_compiled", {})
-    monkeypatch.setattr(optim_base, "_generated_call", lambda *args: None)
+    monkeypatch.setattr(fused_kernel._FusedKernel, "_compiled", {})
+    monkeypatch.setattr(fused_kernel, "_generated_call", lambda *args: None)
     direct = _run(spec, cid, torch.float32, fused=True)
-    kernels = optim_base._FusedKernel._compiled.values()
+    kernels = fused_kernel._FusedKernel._compiled.values()
     assert kernels and all(kernel.inner is None and kernel.direct is not None for kernel in kernels)
     for d, r in zip(direct, _run(spec, cid, torch.float32, foreach=False), strict=True):
         assert torch.equal(d, r)
@@ -179,13 +189,13 @@ def test_calls_to_the_compiled_function_give_the_rows_of_the_generated_code(monk
 def test_the_kernel_is_taken_alone_only_where_it_is_all_the_generated_code_does(monkeypatch):
     """The probe of the generated code refuses code that calls its C++ function twice, on a tensor
     it was not given, or does more than call it, and leaves the code's module as it was."""
-    monkeypatch.setattr(optim_base._FusedKernel, "_compiled", {})
+    monkeypatch.setattr(fused_kernel._FusedKernel, "_compiled", {})
     params = [torch.nn.Parameter(torch.randn(n)) for n in (5, 9, 13)]
     opt = tgo.MomentumOptimizer(params, learning_rate=0.1, momentum=0.9, fused=True)
     for p in params:
         p.grad = torch.randn(p.shape)
     opt.step()
-    (kernel,) = optim_base._FusedKernel._compiled.values()
+    (kernel,) = fused_kernel._FusedKernel._compiled.values()
     function, layout = kernel.alone, kernel.call_layout
     like = [params[0], params[0].grad, opt.state[params[0]]["momentum"]]
     scalars = {name: torch.tensor(0.5) for kind, name in kernel.layout if kind == "scalar"}
@@ -195,7 +205,7 @@ def test_the_kernel_is_taken_alone_only_where_it_is_all_the_generated_code_does(
     def probe(body: str) -> Any:
         namespace = {"kernel": function, "positions": positions}
         exec(f"def call(args):\n    a = list(args)\n    args.clear()\n{body}", namespace)
-        found = optim_base._kernel_alone(kernel, namespace["call"], like, scalars)
+        found = fused_kernel._kernel_alone(kernel, namespace["call"], like, scalars)
         assert namespace["kernel"] is function
         return found
 
@@ -213,9 +223,9 @@ def test_a_training_loop_step_checks_each_parameter_and_gradient_once(monkeypatc
     params = [torch.nn.Parameter(torch.randn(n)) for n in (5, 9, 13, 6, 7)]
     opt = tgo.MomentumOptimizer(params, learning_rate=0.1, momentum=0.9, fused=True)
     checked: list[int] = []
-    holds = optim_base._SameMeta.holds
+    holds = optim_census.SameMeta.holds
     monkeypatch.setattr(
-        optim_base._SameMeta, "holds", lambda self, ts: checked.append(len(ts)) or holds(self, ts)
+        optim_census.SameMeta, "holds", lambda self, ts: checked.append(len(ts)) or holds(self, ts)
     )
     for _ in range(4):
         for p in params:
@@ -266,7 +276,7 @@ def test_a_replayed_step_ends_as_the_whole_path(monkeypatch, spec: OptimSpec, ci
     """Where a rule's later steps are replayed from the last one's record (see _StepReplay), they
     end bitwise as the steps that take the whole path at every step."""
     replayed = _six_steps(spec, cid)
-    monkeypatch.setattr(optim_base._StepReplay, "of", classmethod(lambda cls, *args: None))
+    monkeypatch.setattr(optim_replay._StepReplay, "of", classmethod(lambda cls, *args: None))
     whole = _six_steps(spec, cid)
     assert all(torch.equal(a, b) for a, b in zip(replayed, whole, strict=True))
 
@@ -299,11 +309,13 @@ def test_a_training_loop_takes_the_whole_path_twice_then_replays(
     LossScaleOptimizer, which checks and unscales the gradients first (dynamic) or leaves that
     to the kernels (fixed); the replayed steps end bitwise as steps that take the whole path."""
     whole = []
-    apply = optim_base.Optimizer._apply
-    monkeypatch.setattr(optim_base.Optimizer, "_apply", lambda self, *a: whole.append(1) or apply(self, *a))
+    apply = optim_optimizer.Optimizer._apply
+    monkeypatch.setattr(
+        optim_optimizer.Optimizer, "_apply", lambda self, *a: whole.append(1) or apply(self, *a)
+    )
     replayed = _six_steps(spec, cid, scale, fixed)
     assert len(whole) == (2 if spec.slots else 1)
-    monkeypatch.setattr(optim_base._StepReplay, "of", classmethod(lambda cls, *args: None))
+    monkeypatch.setattr(optim_replay._StepReplay, "of", classmethod(lambda cls, *args: None))
     assert all(torch.equal(a, b) for a, b in zip(replayed, _six_steps(spec, cid, scale, fixed), strict=True))
     assert len(whole) == (2 if spec.slots else 1) + 6
 
@@ -315,8 +327,8 @@ def test_a_fixed_loss_scale_is_unscaled_inside_the_fused_pass_bitwise(monkeypatc
     parameters, slots and gradients end bitwise as after torch's check-and-unscale pass and the
     same fused steps. (1000 is not a power of two: its reciprocal rounds.)"""
     rules = []
-    unscaling = optim_base._unscaling
-    monkeypatch.setattr(optim_base, "_unscaling", lambda single: rules.append(single) or unscaling(single))
+    unscaling = fused_run._unscaling
+    monkeypatch.setattr(fused_run, "_unscaling", lambda single: rules.append(single) or unscaling(single))
     inside = _six_steps(spec, cid, 1000.0, fixed=True)
     assert rules
     rules.clear()
@@ -359,7 +371,7 @@ def _moved_between_steps(**path: Any) -> tuple[list[torch.Tensor], list[torch.Te
             params[1].data, slot.data = params[1].data.clone(), slot.data.clone()
             left = [t.clone() for t in left] + left
         opt.step()
-        plans.append(optim_base._FusedPlan._kept.get(opt.state[params[0]]["momentum"]))
+        plans.append(fused_plan._FusedPlan._kept.get(opt.state[params[0]]["momentum"]))
     return [p.detach() for p in params] + [opt.state[p]["momentum"] for p in params], left, plans[1:]
 
 
@@ -388,7 +400,7 @@ def test_what_the_fillers_hold_does_not_reach_the_rows(spec: OptimSpec, cid: str
         opt = spec.make(params, cid, fused=True)
         for _ in range(STEPS):
             if poison:
-                for lists in optim_base._FUSED_FILLERS.values():
+                for lists in fused_plan._FUSED_FILLERS.values():
                     for fillers in lists:
                         for i, t in enumerate(fillers):
                             t.fill_((math.nan, math.inf, -math.inf)[i % 3])
@@ -507,8 +519,8 @@ def test_random_changes_between_steps_end_as_the_loop_with_nothing_kept(monkeypa
     """Whatever a training loop changes between steps, the fused steps, with everything they keep
     from one step to the next, end bitwise as the reference loop that keeps nothing."""
     fused = _steps_with_random_changes(seed, fused=True)
-    monkeypatch.setattr(optim_base._SameMeta, "of", classmethod(lambda cls, tensors: None))
-    monkeypatch.setattr(optim_base.Optimizer, "_slot_dicts_as_kept", lambda self, grouped: None)
+    monkeypatch.setattr(optim_census.SameMeta, "of", classmethod(lambda cls, tensors: None))
+    monkeypatch.setattr(optim_slots, "slot_dicts_as_kept", lambda opt, grouped: None)
     loop = _steps_with_random_changes(seed, foreach=False)
     assert fused[0] == loop[0]
     assert len(fused[1]) == len(loop[1])
@@ -544,7 +556,7 @@ def test_channels_last_rows_go_through_the_kernels_in_memory_order(spec: OptimSp
     params, opt = _run_conv(spec, cid, True, fused=True)
     assert params[0].grad.is_contiguous(memory_format=torch.channels_last)
     first_slot = next(iter(opt.state[params[0]].values()), params[0])
-    plan = optim_base._FusedPlan._kept[first_slot]
+    plan = fused_plan._FusedPlan._kept[first_slot]
     assert plan.chunks and not plan.loop_rows
     fused = [p.detach().clone() for p in params] + [s.clone() for p in params for s in opt.state[p].values()]
     contiguous_params, contiguous_opt = _run_conv(spec, cid, False, fused=True)
@@ -612,7 +624,7 @@ def test_a_kept_plan_serves_later_steps_and_goes_with_its_optimizer():
         for p in params:
             p.grad = torch.randn(p.shape)
         opt.step()
-        plans.append(optim_base._FusedPlan._kept[opt.state[params[0]]["m"]])
+        plans.append(fused_plan._FusedPlan._kept[opt.state[params[0]]["m"]])
     assert plans[0] is plans[1]
     plan = weakref.ref(plans.pop())
     plans.clear()
@@ -712,7 +724,7 @@ def test_one_tensor_under_two_hyperparameters_leaves_the_kernel_right_for_later_
     """A user's 0-d tensor passed as both learning rate and momentum: dynamo would make one graph
     input of it, and the kernel, kept for every later Momentum optimizer, would read one value
     for both (off by up to 8.6 after three steps). Each hyperparameter stays its own input."""
-    monkeypatch.setattr(optim_base._FusedKernel, "_compiled", {})
+    monkeypatch.setattr(fused_kernel._FusedKernel, "_compiled", {})
 
     def run(lr, momentum, **path):
         gen = torch.Generator().manual_seed(0)
@@ -732,7 +744,7 @@ def test_one_tensor_under_two_hyperparameters_leaves_the_kernel_right_for_later_
 def test_a_fused_step_under_inference_mode_leaves_later_steps_working(monkeypatch):
     """The tensors that fill a last chunk up are shared by every later step of the process: made
     under inference mode, zeroing them outside it would fail."""
-    monkeypatch.setattr(optim_base, "_FUSED_FILLERS", {})
+    monkeypatch.setattr(fused_plan, "_FUSED_FILLERS", {})
     w = torch.nn.Parameter(torch.randn(10))
     w.grad = torch.ones(10)
     with torch.inference_mode():
@@ -843,8 +855,8 @@ def test_each_list_is_filled_up_in_its_own_dtype():
             adam(params, [torch.ones(40)] * 5, m, v, foreach=False, fused=fused, **scalars)
         runs.append(params + m + v)
         if fused:
-            filled = optim_base._FusedPlan._kept[m[0]].filled
-            missing = -5 % optim_base.FUSED_CHUNK
+            filled = fused_plan._FusedPlan._kept[m[0]].filled
+            missing = -5 % fused_config.FUSED_CHUNK
             assert sorted(filled) == [0, 1, 2, 3] and all(len(f) == missing for f in filled.values())
             for j, like in enumerate((params, None, m, v)):
                 if like is not None:
@@ -983,7 +995,7 @@ def test_cuda_graph_replays_match_the_reference_loop(spec: OptimSpec, cid: str):
         opt.step()
         with pytest.raises(RuntimeError, match="modified by an inplace operation"):
             saved.backward()
-        kept = [optim_base._FusedPlan._kept.get(t) for t in [params[0], *opt.state[params[0]].values()]]
+        kept = [fused_plan._FusedPlan._kept.get(t) for t in [params[0], *opt.state[params[0]].values()]]
         graphs = [graph for plan in kept if plan is not None for graph in plan.graphs]
         slots = [s.clone() for p in params for s in opt.state[p].values()]
         return [p.detach().clone() for p in params] + slots, graphs
@@ -1027,7 +1039,7 @@ def test_a_training_loop_replays_the_fused_step_on_cuda(spec: OptimSpec):
     def run(**path) -> tuple[list[torch.Tensor], list[int]]:
         model, opt = _train_on_cuda(spec, layers=12, steps=12, **path)
         first = next(iter(model.parameters()))
-        kept = [optim_base._FusedPlan._kept.get(t) for t in [first, *opt.state[first].values()]]
+        kept = [fused_plan._FusedPlan._kept.get(t) for t in [first, *opt.state[first].values()]]
         replays = [graph.replays for plan in kept if plan is not None for graph in plan.graphs]
         return [p.detach().clone() for p in model.parameters()], replays
 
@@ -1062,7 +1074,6 @@ _STREAM_ORDERED_LOOP = """
 import torch
 from optim_specs import FUSED_TOL, SPECS
 from test_fused import _train_on_cuda
-import torchgrad_compat.optim._base as optim_base
 
 assert torch.cuda.get_allocator_backend() == "cudaMallocAsync"
 for spec in SPECS:
@@ -1075,7 +1086,7 @@ for spec in SPECS:
     for f, r in zip(*runs, strict=True):
         torch.testing.assert_close(f, r, rtol=rtol, atol=atol)
     first = next(iter(model.parameters()))
-    plans = [optim_base._FusedPlan._kept.get(t) for t in [first, *opt.state[first].values()]]
+    plans = [fused_plan._FusedPlan._kept.get(t) for t in [first, *opt.state[first].values()]]
     assert not any(plan.graphs for plan in plans if plan is not None)
 print("all", len(SPECS), "match")
 """
@@ -1152,13 +1163,13 @@ def test_probes_of_the_generated_call_in_two_threads_leave_inductor_as_it_was():
         a_done.wait(timeout=5)
 
     def probe_a() -> None:
-        optim_base._generated_call(kernel, compiled_a, like, {})
+        fused_kernel._generated_call(kernel, compiled_a, like, {})
         a_done.set()
 
     first = threading.Thread(target=probe_a)
     first.start()
     assert a_inside.wait(timeout=5)
-    second = threading.Thread(target=optim_base._generated_call, args=(kernel, compiled_b, like, {}))
+    second = threading.Thread(target=fused_kernel._generated_call, args=(kernel, compiled_b, like, {}))
     second.start()
     first.join(timeout=10)
     second.join(timeout=10)
@@ -1266,20 +1277,20 @@ def test_the_cuda_options_turn_off_contraction_and_round_division():
     known = torch._inductor.config.get_config_copy()
     if not {"eager_numerics.division_rounding", "emulate_divison_rounding"} & set(known):
         pytest.skip(f"torch {torch.__version__}: Inductor has no division-rounding option (fused=True warns)")
-    assert optim_base._triton_rounds_as_eager(optim_base._triton_options())
-    assert not optim_base._triton_rounds_as_eager({})
+    assert torch_internals.triton_rounds_as_eager(torch_internals.triton_options(fused_config.FUSED_CHUNK))
+    assert not torch_internals.triton_rounds_as_eager({})
 
 
 def test_kept_metadata_tells_apart_every_property_the_checks_read():
     """A step whose tensors are as at the last one skips reading their properties in Python; what
     tells it so must see every property those reads would: on the torch this is tested with, the
     one-call check is in use, and each change below is told apart."""
-    assert optim_base._tensor_guards() is not None
-    optim_base._tensor_guards.cache_clear()  # (as if the first step ran under inference mode)
+    assert torch_internals.tensor_guards() is not None
+    torch_internals.tensor_guards.cache_clear()  # (as if the first step ran under inference mode)
     with torch.inference_mode():
-        assert optim_base._tensor_guards() is not None
+        assert torch_internals.tensor_guards() is not None
     like = torch.zeros(4, 6)
-    kept = optim_base._SameMeta.of([like])
+    kept = optim_census.SameMeta.of([like])
     assert kept is not None and kept.holds([torch.ones(4, 6)])
     with torch.inference_mode():
         inference = torch.zeros(4, 6)
@@ -1349,7 +1360,7 @@ def _changed_after_two_steps(opt_of: Any, change: str) -> tuple[str, list[torch.
                 opt.param_groups[0]["lr"] = 0.25
             elif change == "learning rate tensor written in place":
                 # (Where a step takes its hyperparameters from: one written is made again.)
-                optim_base._number_tensor(0.1, torch.float32, torch.device("cpu")).fill_(0.5)
+                optim_hyper.number_tensor(0.1, torch.float32, torch.device("cpu")).fill_(0.5)
             elif change == "group key added":
                 opt.param_groups[0]["weight_decay"] = 0.01
             elif change == "betas changed":
@@ -1443,8 +1454,8 @@ def test_an_adam_step_after_its_state_changed_ends_as_the_whole_path(monkeypatch
         return tgo.AdamOptimizer(params, learning_rate=lr, fused=True)
 
     kept = _changed_after_two_steps(opt_of, change)
-    monkeypatch.setattr(optim_base._SameMeta, "of", classmethod(lambda cls, tensors: None))
-    monkeypatch.setattr(optim_base.Optimizer, "_slot_dicts_as_kept", lambda self, grouped: None)
+    monkeypatch.setattr(optim_census.SameMeta, "of", classmethod(lambda cls, tensors: None))
+    monkeypatch.setattr(optim_slots, "slot_dicts_as_kept", lambda opt, grouped: None)
     checked_in_full = _changed_after_two_steps(opt_of, change)
     assert kept[0] == checked_in_full[0]
     assert bool(kept[0]) == (change in ("gradient dtype", "beta1_power out of range")), kept[0]
@@ -1471,8 +1482,8 @@ def test_a_step_after_its_tensors_changed_is_checked_as_a_first_step(
     if change.startswith("slot") and not has_slots:
         pytest.skip("GradientDescent keeps no slots")
     kept = _changed_after_two_steps(opt_of, change)
-    monkeypatch.setattr(optim_base._SameMeta, "of", classmethod(lambda cls, tensors: None))
-    monkeypatch.setattr(optim_base.Optimizer, "_slot_dicts_as_kept", lambda self, grouped: None)
+    monkeypatch.setattr(optim_census.SameMeta, "of", classmethod(lambda cls, tensors: None))
+    monkeypatch.setattr(optim_slots, "slot_dicts_as_kept", lambda opt, grouped: None)
     checked_in_full = _changed_after_two_steps(opt_of, change)
     assert kept[0] == checked_in_full[0]
     # (Slots keep their variable's dtype and shape: a converted or reshaped variable or slot is refused.)

@@ -35,9 +35,9 @@ from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 import torchgrad_compat.amp.loss_scale_optimizer as lso_module
 import torchgrad_compat.optim as tgo
-import torchgrad_compat.optim._base as optim_base
+import torchgrad_compat.optim._fused.run as fused_run
 from torchgrad_compat.amp import DynamicLossScale, FixedLossScale, LossScaleOptimizer
-from torchgrad_compat.optim._wrapper import OptimizerWrapper
+from torchgrad_compat.optim.wrapper import OptimizerWrapper
 
 FIXTURES = Path(__file__).parent / "fixtures" / "amp"
 TRAJECTORIES: list[dict[str, Any]] = json.loads((FIXTURES / "tf_loss_scale_optimizer.json").read_text())[
@@ -969,9 +969,9 @@ def test_an_empty_parameter_leaves_the_others_on_the_usual_path(monkeypatch, sca
     call (dynamic scale) or the fused kernels' unscale (fixed scale), with the numbers of the
     same run without the empty parameter."""
     careful, rules = [], []
-    each_memory_once, unscaling = lso_module._each_memory_once, optim_base._unscaling
+    each_memory_once, unscaling = lso_module._each_memory_once, fused_run._unscaling
     monkeypatch.setattr(lso_module, "_each_memory_once", lambda *a: careful.append(1) or each_memory_once(*a))
-    monkeypatch.setattr(optim_base, "_unscaling", lambda single: rules.append(single) or unscaling(single))
+    monkeypatch.setattr(fused_run, "_unscaling", lambda single: rules.append(single) or unscaling(single))
     runs = []
     for with_empty in (True, False):
         params, _ = _fixed_scale_on_fused_adam()

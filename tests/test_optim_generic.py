@@ -17,8 +17,10 @@ import torch
 from optim_specs import SPECS, OptimSpec, spec_configs
 
 import torchgrad_compat.optim as tgo
-import torchgrad_compat.optim._base as optim_base
-from torchgrad_compat.optim._base import _CPU_CHUNK_BYTES, Hyper
+import torchgrad_compat.optim._fused.config as fused_config
+import torchgrad_compat.optim._hyper as optim_hyper
+from torchgrad_compat.optim._hyper import Hyper
+from torchgrad_compat.optim._memory import _CPU_CHUNK_BYTES
 
 DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16)
 
@@ -501,7 +503,7 @@ def test_step_refuses_a_gradient_replaced_through_data(
 ):
     """A p.grad whose .data no longer fits its parameter is refused by name before anything
     changes, on every path: the fused kernels would otherwise read it past its end."""
-    monkeypatch.setattr(optim_base, "FUSED_CHUNK", 4)  # the kernels test_fused.py compiles
+    monkeypatch.setattr(fused_config, "FUSED_CHUNK", 4)  # the kernels test_fused.py compiles
     params = _params()
     opt = spec.make(
         params,
@@ -665,7 +667,7 @@ def test_add_param_group_keeps_slots_and_initialises_new_ones():
 def test_hyperparameters_kept_between_steps_are_never_written(spec: OptimSpec, cid: str):
     """A hyperparameter given as a number is made into a tensor once and read at later steps (by
     every optimizer that uses that number): no update rule, on any path, may write it."""
-    optim_base._NUMBER_TENSORS.clear()
+    optim_hyper._NUMBER_TENSORS.clear()
     for dtype in (torch.float32, torch.float64):
         for path in ({"foreach": False}, {"foreach": True}, {"fused": True}):
             params = _params(dtype)
@@ -679,7 +681,7 @@ def test_hyperparameters_kept_between_steps_are_never_written(spec: OptimSpec, c
         for step in range(3):
             values = _grads([torch.zeros(3, 3, dtype=dtype)], step)[0]
             opt.apply_gradients([(_sparse([2, 0, 2], values, (4, 3)), p)])
-    kept = dict(optim_base._NUMBER_TENSORS)
+    kept = dict(optim_hyper._NUMBER_TENSORS)
     assert kept
     for (_, value, _, dtype), (tensor, version) in kept.items():
         made = torch.tensor(value, dtype=torch.float32).to(dtype)
@@ -747,12 +749,12 @@ def test_a_kept_hyperparameter_is_not_handed_to_a_fake_tensor_trace():
     mode, not taken from the real tensors kept for eager steps."""
     from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 
-    real = optim_base.float32_tensor(0.375, torch.device("cpu"))
+    real = optim_hyper.float32_tensor(0.375, torch.device("cpu"))
     assert type(real) is torch.Tensor
     with FakeTensorMode():
-        traced = optim_base.float32_tensor(0.375, torch.device("cpu"))
+        traced = optim_hyper.float32_tensor(0.375, torch.device("cpu"))
     assert isinstance(traced, FakeTensor)
-    assert optim_base.float32_tensor(0.375, torch.device("cpu")) is real
+    assert optim_hyper.float32_tensor(0.375, torch.device("cpu")) is real
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")

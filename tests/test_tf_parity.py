@@ -33,7 +33,7 @@ import torch
 import torch.nn.functional as F
 
 import torchgrad_compat.optim as tgo
-import torchgrad_compat.optim._base as optim_base
+import torchgrad_compat.optim._fused.config as fused_config
 
 ROOT = Path(__file__).resolve().parent.parent
 FIXTURES = ROOT / "tests" / "fixtures" / "optim"
@@ -48,7 +48,7 @@ MODES = ("apply", "step")
 # the largest measured |ours - TF| / (atol + rtol·|TF|), over all cases and both
 # modes, is 0.11 (Adadelta float32, 1.2e-7 abs, 1.3e-5 rel), then 0.058 (Ftrl
 # float32, learning_rate_power -0.3); float64 cases stay within 2.7e-15 rel.
-# (Square roots are correctly rounded on every path, as TF's: see optim._base.sqrt.)
+# (Square roots are correctly rounded on every path, as TF's: see optim._numerics.sqrt.)
 TOLERANCE = {"float32": (1e-5, 1e-6), "float64": (1e-10, 1e-12)}
 
 
@@ -172,7 +172,7 @@ def test_matches_tensorflow(case: dict[str, Any], mode: str) -> None:
 )
 def test_fused_matches_tensorflow(case: dict[str, Any], mode: str, monkeypatch) -> None:
     """The same fixtures through fused=True (chunks of 4 tensors, so that compiling stays quick)."""
-    monkeypatch.setattr(optim_base, "FUSED_CHUNK", 4)
+    monkeypatch.setattr(fused_config, "FUSED_CHUNK", 4)
     assert_matches_tensorflow(case, mode, fused=True)
 
 
@@ -205,7 +205,7 @@ def test_tensorflow_bits_where_its_kernels_do_not_approximate(
     """Square roots correctly rounded (TF's are), duplicate rows summed in TF's order, sparse Adam's
     square scaled as a TF1 session computes it, the scalar code of TF's sparse kernels for rows of
     one element followed: every number TF's kernels do not approximate is TF's, on every path."""
-    monkeypatch.setattr(optim_base, "FUSED_CHUNK", 4)
+    monkeypatch.setattr(fused_config, "FUSED_CHUNK", 4)
     rtol, atol = TOLERANCE[case["dtype"]]
     for what, ours, theirs in run_case(case, mode, **path):
         if _approximated_by_tensorflow(case, what):
@@ -222,7 +222,7 @@ def test_tensorflow_bits_where_its_kernels_do_not_approximate(
 )
 def test_cuda_matches_tensorflow(case: dict[str, Any], mode: str, path: dict[str, Any], monkeypatch) -> None:
     """The fixtures on a GPU, through the default path (foreach) and fused=True (Triton kernels)."""
-    monkeypatch.setattr(optim_base, "FUSED_CHUNK", 4)
+    monkeypatch.setattr(fused_config, "FUSED_CHUNK", 4)
     assert_matches_tensorflow(case, mode, "cuda", **path)
 
 

@@ -24,7 +24,7 @@ from torch.optim.optimizer import register_optimizer_step_post_hook, register_op
 
 import torchgrad_compat.optim as tgo
 from torchgrad_compat.amp import LossScaleOptimizer
-from torchgrad_compat.optim._base import Flag
+from torchgrad_compat.optim._hyper import Flag
 from torchgrad_compat.xla import CrossShardOptimizer
 
 DEFAULT_CONFIGS = [(spec, next(iter(spec.configs))) for spec in SPECS]
@@ -376,6 +376,28 @@ def test_deepcopy_of_a_state_dict_loads_and_continues_in_lockstep(spec: OptimSpe
     resumed = spec.make(resumed_params, cid)
     resumed.load_state_dict(copy.deepcopy(opt.state_dict()))
     _lockstep(opt, params, resumed, resumed_params, 3)
+
+
+@by_spec
+def test_state_dict_deterministic_as_torchs_own_test(spec: OptimSpec, cid: str):
+    """torch's test_state_dict_deterministic: equal state dicts from equal runs, and a group listed
+    twice (``param_groups.extend(param_groups)``) saved as the group it is."""
+    params = _params()
+    opt = spec.make(params, cid)
+    for step in range(3):
+        _set_grads(params, step)
+        opt.step()
+    copied_params = [p.detach().clone().requires_grad_() for p in params]
+    copied = spec.make(copied_params, cid)
+    copied.load_state_dict(copy.deepcopy(opt.state_dict()))
+    _lockstep(opt, params, copied, copied_params, 3)
+    torch.testing.assert_close(opt.state_dict(), copied.state_dict(), rtol=0, atol=0)
+    copied.param_groups.extend(copied.param_groups)
+    saved = copied.state_dict()
+    assert saved["param_groups"][-1] == opt.state_dict()["param_groups"][-1]
+    _set_grads(copied_params, 0)
+    _set_grads(params, 0)
+    copied.step()  # (a group listed twice is updated twice, as torch's optimizers do)
 
 
 @by_spec

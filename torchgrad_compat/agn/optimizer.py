@@ -10,15 +10,15 @@ from torch import Tensor
 
 from ..amp.loss_scale import found_non_finite
 from ..amp.loss_scale_optimizer import LossScaleOptimizer
-from ..optim._base import (
-    _called_from_dcp_init,
-    _check_global_step,
-    _check_grad,
-    _describe,
-    _grads_fit,
-    _summed_rows,
+from ..optim.wrapper import (
+    OptimizerWrapper,
+    called_from_dcp_init,
+    check_global_step,
+    check_grad,
+    describe,
+    grads_fit,
+    summed_rows,
 )
-from ..optim._wrapper import OptimizerWrapper
 from .transport import RpcEndpoint, ServerEndpoint
 
 __all__ = ["AGNOptimizer"]
@@ -112,7 +112,7 @@ class AGNOptimizer(OptimizerWrapper):
     ):
         super().__init__(optimizer)
         if isinstance(communication_period, bool) or not isinstance(communication_period, int):
-            raise TypeError(f"communication_period must be an int, got {_describe(communication_period)}")
+            raise TypeError(f"communication_period must be an int, got {describe(communication_period)}")
         if communication_period < 1:
             raise ValueError(f"communication_period must be >= 1, got {communication_period}")
         if isinstance(num_worker, bool) or not isinstance(num_worker, int) or num_worker < 1:
@@ -162,7 +162,7 @@ class AGNOptimizer(OptimizerWrapper):
             with torch.enable_grad():
                 loss = closure()
         self._check_params()
-        if _called_from_dcp_init():
+        if called_from_dcp_init():
             # torch.distributed.checkpoint creating the state of a fresh optimizer with a
             # zero-gradient step (see Optimizer.step): not a training step, so nothing is
             # counted, accumulated or pushed to the server.
@@ -176,9 +176,9 @@ class AGNOptimizer(OptimizerWrapper):
         # would be broadcast into the accumulator before the wrapped optimizer refused it.
         present = [p for g, p in zip(grads, self._params, strict=True) if g is not None]
         present_grads = [g for g in grads if g is not None]
-        if not _grads_fit(present_grads, present):
+        if not grads_fit(present_grads, present):
             for g, p in zip(present_grads, present, strict=True):
-                _check_grad(type(self).__name__, g, p)
+                check_grad(type(self).__name__, g, p)
         # Accumulate first: the wrapped optimizer may not be the last to read p.grad.
         self._accumulate(grads)
         self._optimizer.step()
@@ -197,7 +197,7 @@ class AGNOptimizer(OptimizerWrapper):
         """
         pairs = list(grads_and_vars)
         if global_step is not None:
-            _check_global_step(global_step)
+            check_global_step(global_step)
         self._check_params()
         grads, _ = self._grads_by_param(pairs)
         self._apply_inner(pairs, name=name)
@@ -219,8 +219,8 @@ class AGNOptimizer(OptimizerWrapper):
             for i, g in enumerate(grads):
                 if g is not None:
                     if g.is_sparse:
-                        # TF adds the dense sum of the rows (duplicates summed first, see _summed_rows).
-                        self._accumulators[i].index_add_(0, *_summed_rows(g))
+                        # TF adds the dense sum of the rows (duplicates summed first, see summed_rows).
+                        self._accumulators[i].index_add_(0, *summed_rows(g))
                     else:
                         self._accumulators[i].add_(g)
                     self._pending.add(i)
@@ -237,7 +237,7 @@ class AGNOptimizer(OptimizerWrapper):
                     continue
                 keep = applied.to(g.device).bool()
                 if g.is_sparse:
-                    rows, values = _summed_rows(g)
+                    rows, values = summed_rows(g)
                     kept = torch.where(keep, values, torch.zeros_like(values))
                     self._accumulators[i].index_add_(0, rows, kept)
                 else:
@@ -377,7 +377,7 @@ class AGNOptimizer(OptimizerWrapper):
         """Raise, naming the entry, unless ``agn`` is a worker state this optimizer can load."""
         keys = {"local_step", "global_step", "accumulators", "pending"}
         if not isinstance(agn, dict) or not keys <= set(agn):
-            held = sorted(agn) if isinstance(agn, dict) else _describe(agn)
+            held = sorted(agn) if isinstance(agn, dict) else describe(agn)
             raise ValueError(f"AGNOptimizer: loaded 'agn' state must hold {sorted(keys)}, got {held}")
         for key in ("local_step", "global_step"):
             value = agn[key]
@@ -387,13 +387,13 @@ class AGNOptimizer(OptimizerWrapper):
         if not isinstance(saved, (list, tuple)) or len(saved) != len(self._accumulators):
             raise ValueError(
                 f"AGNOptimizer: loaded accumulators must be a list of {len(self._accumulators)} tensors "
-                f"(one per parameter), got {_describe(saved)}"
+                f"(one per parameter), got {describe(saved)}"
             )
         for i, (a, s) in enumerate(zip(self._accumulators, saved, strict=True)):
             if not isinstance(s, Tensor) or s.shape != a.shape or not s.is_floating_point():
                 raise ValueError(
                     f"AGNOptimizer: loaded accumulator {i} must be a floating tensor of shape "
-                    f"{tuple(a.shape)}, got {_describe(s)}"
+                    f"{tuple(a.shape)}, got {describe(s)}"
                 )
             if not bool(torch.isfinite(s).all()):  # read once, at load: it would be pushed to the server
                 raise ValueError(f"Invalid accumulator {i} value: {s!r}; expected finite numbers")
@@ -410,12 +410,12 @@ class AGNOptimizer(OptimizerWrapper):
             if not isinstance(applied, Tensor) or applied.numel() != 1:
                 raise ValueError(
                     "AGNOptimizer around a loss-scaling optimizer: loaded 'agn' state must hold 'applied', "
-                    f"a one-element tensor, got {_describe(applied)}"
+                    f"a one-element tensor, got {describe(applied)}"
                 )
             if not isinstance(seen, (list, tuple)) or len(seen) != len(self._seen):
                 raise ValueError(
                     f"AGNOptimizer: loaded 'seen' must be a list of {len(self._seen)} one-element tensors, "
-                    f"got {_describe(seen)}"
+                    f"got {describe(seen)}"
                 )
             # Read at load (the push divides by the count): whole numbers in range, or a wrong mean.
             count = float(applied.detach().reshape(()))
@@ -429,5 +429,5 @@ class AGNOptimizer(OptimizerWrapper):
                     isinstance(flag, Tensor) and flag.numel() == 1 and float(flag.reshape(())) in (0.0, 1.0)
                 ):
                     raise ValueError(
-                        f"Invalid agn_seen value of parameter {i}: {_describe(flag)}; expected 0 or 1"
+                        f"Invalid agn_seen value of parameter {i}: {describe(flag)}; expected 0 or 1"
                     )

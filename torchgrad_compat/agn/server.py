@@ -23,7 +23,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from ..optim._base import _describe
+from ..optim.wrapper import describe
 
 __all__ = [
     "AGNCheckpointWarning",
@@ -167,14 +167,14 @@ class ParameterServer:
             raise ValueError("params must hold at least one tensor, got an empty list")
         for p in params:
             if not isinstance(p, Tensor):
-                raise TypeError(f"params must be tensors, got {_describe(p)}")
+                raise TypeError(f"params must be tensors, got {describe(p)}")
         self.name = name
         self.num_worker = num_worker
         self.center = [p.detach().clone() for p in params]
         self.optimizer = optimizer_fn(self.center)
         if not isinstance(self.optimizer, torch.optim.Optimizer):
             raise TypeError(
-                f"optimizer_fn must return a torch.optim.Optimizer, got {_describe(self.optimizer)}"
+                f"optimizer_fn must return a torch.optim.Optimizer, got {describe(self.optimizer)}"
             )
         self.global_step = 0
         self.workers: dict[str, _Worker] = {}
@@ -435,7 +435,7 @@ class ParameterServer:
             c = self.center[i]
             if g.shape != c.shape or g.dtype != c.dtype:
                 raise ValueError(
-                    f"{where}: gradient {i} is {_describe(g)}, the center parameter is {_describe(c)}"
+                    f"{where}: gradient {i} is {describe(g)}, the center parameter is {describe(c)}"
                 )
             # A host read per push: the server must decide before the lock, and one NaN poisons everyone.
             if g.is_floating_point() and not bool(torch.isfinite(g).all()):

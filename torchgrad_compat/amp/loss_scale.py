@@ -19,7 +19,8 @@ from typing import Any, ClassVar
 import torch
 from torch import Tensor
 
-from ..optim._base import _summed_rows, check_range, python_float
+from .._torch_internals import sparse_values, update_scale_
+from ..optim.wrapper import check_range, python_float, summed_rows
 
 __all__ = ["DynamicLossScale", "FixedLossScale", "LossScale", "as_loss_scale", "found_non_finite"]
 
@@ -273,7 +274,7 @@ class DynamicLossScale(LossScale):
                 counter = self._counter = torch.zeros((), dtype=torch.int32, device=self._scale.device)
         counter.copy_(self._good_steps.clamp(-(2**31), self._increment_period - 1))
         m = self._multiplier_value
-        torch._amp_update_scale_(self._scale, counter, flag, m, 1 / m, self._increment_period)
+        update_scale_(self._scale, counter, flag, m, 1 / m, self._increment_period)
         torch.maximum(self._scale, flag, out=self._scale)
         self._good_steps.copy_(counter)
         return flag == 0
@@ -370,9 +371,9 @@ def found_non_finite(grads: Iterable[Tensor | None], device: torch.device | str)
             raise TypeError(f"gradients must be tensors or None, got {type(g).__name__}: {g!r}")
         checked = [g]
         if g.is_sparse:
-            checked = [g._values()]
+            checked = [sparse_values(g)]
             if g.dtype == torch.float16 and not g.is_coalesced():
-                checked.append(_summed_rows(g)[1])
+                checked.append(summed_rows(g)[1])
         for t in checked:
             # The infinity norm of an empty tensor is undefined; it has nothing to check.
             if t.numel():

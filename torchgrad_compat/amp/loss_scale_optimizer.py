@@ -13,28 +13,29 @@ import torch.distributed as dist
 from torch import Tensor
 from torch.distributed.tensor import DTensor
 
-from ..optim._base import (
-    _DEVICE_OF,
-    _DTYPE_OF,
-    _GRAD_OF,
-    _UNSCALING,
+from .._torch_internals import non_finite_check_and_unscale_, sparse_indices, sparse_values
+from ..optim import Optimizer
+from ..optim.wrapper import (
+    DEVICE_OF,
+    DTYPE_OF,
+    GRAD_OF,
     LOSS_SCALE_KEY_PREFIX,
-    Optimizer,
-    _bytes_spanned,
-    _called_from_dcp_init,
-    _check_global_step,
-    _check_grad,
-    _describe,
-    _grads_fit,
-    _is_expanded,
-    _kept_census,
-    _no_step_pre_hooks,
-    _number_tensor,
-    _own_update,
-    _SameMeta,
-    _Unscaling,
+    UNSCALING,
+    OptimizerWrapper,
+    SameMeta,
+    Unscaling,
+    bytes_spanned,
+    called_from_dcp_init,
+    check_global_step,
+    check_grad,
+    describe,
+    grads_fit,
+    is_expanded,
+    kept_census,
+    no_step_pre_hooks,
+    number_tensor,
+    own_update,
 )
-from ..optim._wrapper import OptimizerWrapper
 from .loss_scale import LossScale, as_loss_scale, found_non_finite
 
 __all__ = ["LossScaleOptimizer"]
@@ -213,10 +214,14 @@ class LossScaleOptimizer(OptimizerWrapper):
             elif not isinstance(g, Tensor):
                 raise TypeError(f"gradients must be tensors or None, got {type(g).__name__}: {g!r}")
             elif g.is_sparse:
-                values = _times(g._values(), inv_scale)
+                values = _times(sparse_values(g), inv_scale)
                 unscaled.append(
                     torch.sparse_coo_tensor(
-                        g._indices(), values, g.shape, is_coalesced=g.is_coalesced(), check_invariants=False
+                        sparse_indices(g),
+                        values,
+                        g.shape,
+                        is_coalesced=g.is_coalesced(),
+                        check_invariants=False,
                     )
                 )
             else:
@@ -295,7 +300,7 @@ class LossScaleOptimizer(OptimizerWrapper):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        if _called_from_dcp_init():
+        if called_from_dcp_init():
             # torch.distributed.checkpoint creating a fresh optimizer's state (see
             # Optimizer.step): not a training step, so the scale and its counter stay.
             self._optimizer.step()
@@ -331,20 +336,20 @@ class LossScaleOptimizer(OptimizerWrapper):
         self,
         checked: bool,
         kind: tuple[torch.device, torch.dtype] | None = None,
-        unscaling: _Unscaling | None = None,
+        unscaling: Unscaling | None = None,
     ) -> None:
         """The wrapped optimizer's ``step()``; one of ours skips its own check of the gradients
         when this call has just made it (``checked``, which found them all of ``kind`` if not
         None) and no step pre-hook runs in between. ``unscaling``: its fused kernels unscale the
         gradients (see :meth:`_unscaled_inside`)."""
         inner = self._optimizer
-        if unscaling is not None or (checked and isinstance(inner, Optimizer) and _no_step_pre_hooks(inner)):
-            token = _UNSCALING.set(unscaling)
+        if unscaling is not None or (checked and isinstance(inner, Optimizer) and no_step_pre_hooks(inner)):
+            token = UNSCALING.set(unscaling)
             try:
                 with inner._gradients_checked(kind):
                     inner.step()
             finally:
-                _UNSCALING.reset(token)
+                UNSCALING.reset(token)
         else:
             inner.step()
 
@@ -355,7 +360,7 @@ class LossScaleOptimizer(OptimizerWrapper):
 
     def _unscale_grads(
         self, caller: str
-    ) -> tuple[Tensor | None, tuple[torch.device, torch.dtype] | None, _Unscaling | None]:
+    ) -> tuple[Tensor | None, tuple[torch.device, torch.dtype] | None, Unscaling | None]:
         """Multiply every ``p.grad`` by ``1/scale`` in place; return the non-finite flag, the one
         device and dtype of every parameter and gradient if they have one (see ``_shared_kind``),
         and, where the wrapped optimizer's kernels are to unscale them in their own pass instead
@@ -367,7 +372,7 @@ class LossScaleOptimizer(OptimizerWrapper):
         params = self._all_params()
         compiling = torch.compiler.is_compiling()
         # (Dynamo traces a comprehension, and breaks the graph at `map` over attrgetter.)
-        every_grad = [p.grad for p in params] if compiling else list(map(_GRAD_OF, params))
+        every_grad = [p.grad for p in params] if compiling else list(map(GRAD_OF, params))
         kept = self.__dict__.setdefault("_census_kept", {})
         record = None if compiling else _UsualGrads.kept(kept, params, every_grad)
         if record is not None:
@@ -383,7 +388,7 @@ class LossScaleOptimizer(OptimizerWrapper):
         # (Not a tensor that is two parameters' gradient: each kernel would unscale it.)
         if caller == "step" and own and distinct and self._unscaled_inside(kind):
             # (A kept tensor of the same value: a step of ours replayed reads the same one.)
-            return None, kind, _Unscaling(_number_tensor(inv_scale.item(), torch.float32, kind[0]))
+            return None, kind, Unscaling(number_tensor(inv_scale.item(), torch.float32, kind[0]))
         # The fused kernel needs its flag and inverse scale on the gradients' device, and on CUDA
         # one dtype per call for its multi-tensor path.
         by_device: dict[torch.device, dict[torch.dtype, list[Tensor]]] = {}
@@ -399,7 +404,7 @@ class LossScaleOptimizer(OptimizerWrapper):
                 if g.is_sparse:
                     if g.dtype == torch.float16 and not g.is_coalesced():
                         summed_later.append(g)
-                    g = g._values()
+                    g = sparse_values(g)
                 if g.is_complex():
                     # torch's kernel takes real dtypes: the real view is the same memory.
                     g = torch.view_as_real(g)
@@ -412,7 +417,7 @@ class LossScaleOptimizer(OptimizerWrapper):
             found_here = found_inf if here else torch.zeros(1, dtype=torch.float32, device=grad_device)
             inv_here = inv_scale if here else inv_scale.to(grad_device)
             for tensors in by_dtype.values():
-                torch._amp_foreach_non_finite_check_and_unscale_(tensors, found_here, inv_here)
+                non_finite_check_and_unscale_(tensors, found_here, inv_here)
             if not here:
                 found_inf = torch.maximum(found_inf, found_here.to(device))
         if summed_later:
@@ -450,8 +455,8 @@ class LossScaleOptimizer(OptimizerWrapper):
         # when it fails.
         # (Kept from the last step while every parameter and gradient has the metadata it had then.)
         compiling = torch.compiler.is_compiling()
-        _, kind, same = (None, None, None) if compiling else _kept_census(kept, 0, present, paired)
-        fit = kind is not None or _grads_fit(paired, present)
+        _, kind, same = (None, None, None) if compiling else kept_census(kept, 0, present, paired)
+        fit = kind is not None or grads_fit(paired, present)
         if not (fit and all(map(Tensor.is_contiguous, grads))):
             self._check_grads(params)
             return grads, None, None, distinct
@@ -460,8 +465,8 @@ class LossScaleOptimizer(OptimizerWrapper):
         # All of one device and dtype: what _shared_kind found, or, for DTensors (FSDP2's shards),
         # which it leaves out, the same read here.
         single = kind
-        if kind is None and len(dtypes := set(map(_DTYPE_OF, grads))) == 1:
-            if len(devices := set(map(_DEVICE_OF, grads))) == 1:
+        if kind is None and len(dtypes := set(map(DTYPE_OF, grads))) == 1:
+            if len(devices := set(map(DEVICE_OF, grads))) == 1:
                 single = devices.pop(), dtypes.pop()
         return grads, kind, single, distinct
 
@@ -472,7 +477,7 @@ class LossScaleOptimizer(OptimizerWrapper):
         Where nothing needs the check first (a fixed scale), around this package's own
         optimizers with ``fused`` on in every group and no step pre-hook, over dense
         float32 or float64 gradients of the CPU (see
-        :func:`~torchgrad_compat.optim._base._unscaling`): the gradient is then read once
+        :func:`~torchgrad_compat.optim._fused.run._unscaling`): the gradient is then read once
         for the update, not once more before it. Elsewhere (CUDA and half precision
         included) torch's check-and-unscale kernel makes a pass of its own.
         """
@@ -483,9 +488,9 @@ class LossScaleOptimizer(OptimizerWrapper):
             and kind[0].type == "cpu"
             and kind[1] in (torch.float32, torch.float64)
             and isinstance(inner, Optimizer)
-            and _own_update(type(inner))
+            and own_update(type(inner))
             and all(group.get("fused") for group in inner.param_groups)
-            and _no_step_pre_hooks(inner)
+            and no_step_pre_hooks(inner)
         )
 
     def _check_grads(self, params: list[Tensor]) -> None:
@@ -499,11 +504,11 @@ class LossScaleOptimizer(OptimizerWrapper):
             g = p.grad
             if g is None:
                 continue
-            _check_grad(type(self).__name__, g, p)
+            check_grad(type(self).__name__, g, p)
             # An expanded view (stride 0) shares one element between many: it cannot be unscaled in place.
-            if not g.is_sparse and _is_expanded(g):
+            if not g.is_sparse and is_expanded(g):
                 raise RuntimeError(
-                    f"LossScaleOptimizer: p.grad of parameter {i} {_describe(p)} is an expanded view "
+                    f"LossScaleOptimizer: p.grad of parameter {i} {describe(p)} is an expanded view "
                     f"(strides {g.stride()}) and cannot be unscaled in place; assign "
                     "p.grad = p.grad.contiguous() before step() or unscale_()"
                 )
@@ -566,9 +571,9 @@ class LossScaleOptimizer(OptimizerWrapper):
             raise ValueError("No variables provided.")
         self._grads_by_param(pairs)
         if all(g is None for g, _ in pairs):
-            raise ValueError(f"No gradients provided for any variable: {[_describe(v) for _, v in pairs]}.")
+            raise ValueError(f"No gradients provided for any variable: {[describe(v) for _, v in pairs]}.")
         if global_step is not None:
-            _check_global_step(global_step)
+            check_global_step(global_step)
 
     @contextlib.contextmanager
     def _scale_restored_on_error(self) -> Iterator[None]:
@@ -779,7 +784,7 @@ def _every_state_exists(
 class _UsualGrads:
     """What a step found when every parameter had a gradient, each a tensor of its own, dense,
     contiguous, fitting its parameter, all of one device and dtype (``kind``): kept, as its
-    census is (:func:`~torchgrad_compat.optim._base._kept_census`), while every parameter and
+    census is (:func:`~torchgrad_compat.optim.wrapper.kept_census`), while every parameter and
     gradient has the metadata it had then. With it the verdict of
     :func:`_each_at_its_own_address` at the addresses last seen, which the metadata and the
     addresses decide.
@@ -791,7 +796,7 @@ class _UsualGrads:
 
     __slots__ = ("grad_starts", "kind", "meta", "own", "param_starts")
 
-    def __init__(self, meta: _SameMeta, kind: _Kind):
+    def __init__(self, meta: SameMeta, kind: _Kind):
         self.meta, self.kind = meta, kind
         self.grad_starts: list[int] | None = None
         self.param_starts: list[int] | None = None
@@ -865,7 +870,7 @@ def _each_memory_once(tensors: list[Tensor], names: list[str], params: list[Tens
         if key in kept:
             continue
         kept[key] = t
-        spans.append((str(local.device), start, start + _bytes_spanned(local), i))
+        spans.append((str(local.device), start, start + bytes_spanned(local), i))
     starts = {
         (str(p.device), p.data_ptr()): j
         for j, p in enumerate(params)

@@ -19,8 +19,7 @@ from torch import Tensor
 
 from .. import optim as tgo
 from ..amp import DynamicLossScale, LossScaleOptimizer
-from ..optim._base import _bytes_spanned, _check_no_shared_elements
-from ..optim._wrapper import OptimizerWrapper
+from ..optim.wrapper import OptimizerWrapper, bytes_spanned, check_no_shared_elements
 from ._bundle import BundleEntry, BundleReader, CorruptCheckpointError, write_bundle
 
 __all__ = [
@@ -270,7 +269,7 @@ def _as_parameters(
     for i, p in enumerate(params):
         if p.layout == torch.strided and not p.is_meta and p.numel() and (start := p.data_ptr()):
             same_view.setdefault((p.device, start, p.shape, p.stride(), p.dtype), p)
-            spans.setdefault(str(p.device), []).append((start, start + _bytes_spanned(p), i))
+            spans.setdefault(str(p.device), []).append((start, start + bytes_spanned(p), i))
     # Per device: spans by start, and the furthest end among the first k (a bisect finds overlaps).
     reach: dict[str, tuple[list[int], list[int]]] = {}
     for device, ranges in spans.items():
@@ -284,7 +283,7 @@ def _as_parameters(
         if param is not None:
             resolved[key] = (param, perm)
             continue
-        start, end = t.data_ptr(), t.data_ptr() + _bytes_spanned(t)
+        start, end = t.data_ptr(), t.data_ptr() + bytes_spanned(t)
         starts, furthest = reach.get(str(t.device), ([], []))
         before_end = bisect.bisect_left(starts, end)  # the spans that start before t ends
         if before_end and furthest[before_end - 1] > start:
@@ -297,14 +296,14 @@ def _slot_view(key: str, slot: Tensor, part: Tensor, param: Tensor) -> Tensor:
     """The elements of ``slot`` that are to ``slot`` what ``part`` is to ``param``."""
     size = param.element_size()
     offset, rest = divmod(part.data_ptr() - param.data_ptr(), size)
-    dense = _bytes_spanned(param) == param.numel() * size
+    dense = bytes_spanned(param) == param.numel() * size
     if not (
         dense
         and part.dtype == param.dtype
         and slot.stride() == param.stride()
         and rest == 0
         and offset >= 0
-        and offset * size + _bytes_spanned(part) <= _bytes_spanned(param)
+        and offset * size + bytes_spanned(part) <= bytes_spanned(param)
     ):
         raise ValueError(
             f"var_map[{key!r}] is a view of part of a parameter the optimizer manages, but not one its "
@@ -604,7 +603,7 @@ def _load(
         parsed, parts = _as_parameters(parsed, opt)
     # Each copy must land in memory of its own: an expanded view, or two entries sharing memory,
     # would keep only the last value written.
-    _check_no_shared_elements("load_tf_checkpoint", [(f"var_map[{k!r}]", t) for k, (t, _) in parsed.items()])
+    check_no_shared_elements("load_tf_checkpoint", [(f"var_map[{k!r}]", t) for k, (t, _) in parsed.items()])
     object_based = _OBJECT_GRAPH in reader.entries
     if optimizer_name is not None and (not isinstance(optimizer_name, str) or not optimizer_name):
         raise TypeError(f"optimizer_name must be a non-empty str, got {optimizer_name!r}")

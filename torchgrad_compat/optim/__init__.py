@@ -1,6 +1,5 @@
 """TensorFlow v1's optimizers as ``torch.optim.Optimizer`` subclasses with TF's exact numbers."""
 
-from ._base import Optimizer
 from .adadelta import AdadeltaOptimizer
 from .adagrad import AdagradOptimizer
 from .adagrad_da import AdagradDAOptimizer
@@ -8,6 +7,7 @@ from .adam import AdamOptimizer
 from .ftrl import FtrlOptimizer
 from .gradient_descent import GradientDescentOptimizer
 from .momentum import MomentumOptimizer
+from .optimizer import Optimizer
 from .proximal_adagrad import ProximalAdagradOptimizer
 from .proximal_gradient_descent import ProximalGradientDescentOptimizer
 from .rmsprop import RMSPropOptimizer

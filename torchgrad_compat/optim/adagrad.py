@@ -8,7 +8,10 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from ._base import Hyper, Optimizer, one_element_rows, pick_impl, sqrt
+from ._dispatch import pick_impl
+from ._hyper import Hyper
+from ._numerics import one_element_rows, sqrt
+from .optimizer import Optimizer
 
 __all__ = ["AdagradOptimizer", "adagrad"]
 

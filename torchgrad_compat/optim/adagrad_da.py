@@ -8,8 +8,12 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from ._base import Hyper, Optimizer, _check_global_step, foreach_sqrt_, one_element_rows, pick_impl, sqrt
+from ._checks import check_global_step
+from ._dispatch import pick_impl
+from ._hyper import Hyper
+from ._numerics import foreach_sqrt_, one_element_rows, sqrt
 from .adagrad import constant_slot
+from .optimizer import Optimizer
 
 __all__ = ["AdagradDAOptimizer", "adagrad_da"]
 
@@ -119,7 +123,7 @@ class AdagradDAOptimizer(Optimizer):
         fused: bool | None = None,
     ):
         if global_step is not None:
-            _check_global_step(global_step)
+            check_global_step(global_step)
             _check_step_count(global_step)
         # Set before the base class adds the param groups: _init_non_slot reads it.
         self._global_step = global_step

@@ -8,7 +8,10 @@ from typing import Any, ClassVar
 import torch
 from torch import Tensor
 
-from ._base import Hyper, HyperScalars, Optimizer, float32_tensor, foreach_sqrt_, pick_impl, sqrt
+from ._dispatch import pick_impl
+from ._hyper import Hyper, HyperScalars, float32_tensor
+from ._numerics import foreach_sqrt_, sqrt
+from .optimizer import Optimizer
 
 __all__ = ["AdamOptimizer", "adam"]
 
@@ -133,8 +136,9 @@ class AdamOptimizer(Optimizer):
             "foreach": foreach,
             "fused": fused,
         }
-        # ``betas`` of each group as last reconciled with ``beta1``/``beta2`` (see _sync_aliases).
-        self._synced_betas: list[tuple[Any, Any]] = []
+        # ``betas`` of each group as last reconciled with ``beta1``/``beta2``, by the group dict's
+        # identity (see _sync_aliases): a group listed twice is one group, whatever its index.
+        self._synced_betas: dict[int, tuple[dict[str, Any], tuple[Any, Any]]] = {}
         super().__init__(params, defaults)
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
@@ -149,22 +153,25 @@ class AdamOptimizer(Optimizer):
         super().add_param_group(group)
         added = self.param_groups[-1]
         added["betas"] = (added["beta1"], added["beta2"])
-        self._synced_betas.append(added["betas"])
+        self._synced_betas[id(added)] = (added, added["betas"])
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         # A loaded group's beta1/beta2 are the truth (state_dict() saves them reconciled).
         super().__setstate__(state)
         for group in self.param_groups:
             group["betas"] = (group["beta1"], group["beta2"])
-        self._synced_betas = [group["betas"] for group in self.param_groups]
+        self._synced_betas = {id(group): (group, group["betas"]) for group in self.param_groups}
 
     def _sync_aliases(self) -> None:
         # Schedulers that cycle momentum (OneCycleLR, CyclicLR) write torch's
         # group["betas"]; TF code writes group["beta1"]. Whichever changed since the
-        # last reconciliation is copied to the other.
+        # last reconciliation is copied to the other. A group this optimizer has not reconciled
+        # yet (a dict put into param_groups by other code) takes beta1/beta2 as the truth.
+        synced_before, synced_now = self._synced_betas, {}
         for i, group in enumerate(self.param_groups):
-            synced = self._synced_betas[i]
             betas, tf_betas = group["betas"], (group["beta1"], group["beta2"])
+            kept = synced_now.get(id(group)) or synced_before.get(id(group))
+            synced = kept[1] if kept is not None and kept[0] is group else betas
             if not (isinstance(betas, (tuple, list)) and len(betas) == 2):
                 _check_betas(betas)  # names "betas" (the comparison below would fail on its shape)
             betas_moved, tf_moved = not _same(betas, synced), not _same(tf_betas, synced)
@@ -178,7 +185,8 @@ class AdamOptimizer(Optimizer):
             elif tf_moved:
                 # Checked before use, with every hyperparameter (a state_dict() may still save it).
                 group["betas"] = tf_betas
-            self._synced_betas[i] = group["betas"]
+            synced_now[id(group)] = (group, group["betas"])
+        self._synced_betas = synced_now
 
     def _init_slots(self, group, p):
         return {

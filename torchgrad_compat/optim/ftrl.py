@@ -9,16 +9,10 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from ._base import (
-    Hyper,
-    HyperScalars,
-    Optimizer,
-    float32_tensor,
-    foreach_sqrt_,
-    one_element_rows,
-    pick_impl,
-    sqrt,
-)
+from ._dispatch import pick_impl
+from ._hyper import Hyper, HyperScalars, float32_tensor
+from ._numerics import foreach_sqrt_, one_element_rows, sqrt
+from .optimizer import Optimizer
 
 __all__ = ["FtrlOptimizer", "ftrl"]
 

@@ -8,7 +8,9 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from ._base import Flag, Hyper, Optimizer, pick_impl
+from ._dispatch import pick_impl
+from ._hyper import Flag, Hyper
+from .optimizer import Optimizer
 
 __all__ = ["MomentumOptimizer", "momentum"]
 

@@ -8,8 +8,11 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from ._base import Hyper, HyperScalars, Optimizer, one_element_rows, pick_impl, sqrt
+from ._dispatch import pick_impl
+from ._hyper import Hyper, HyperScalars
+from ._numerics import one_element_rows, sqrt
 from .adagrad import constant_slot
+from .optimizer import Optimizer
 
 __all__ = ["ProximalAdagradOptimizer", "proximal_adagrad"]
 

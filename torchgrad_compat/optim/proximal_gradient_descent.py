@@ -8,7 +8,10 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from ._base import Hyper, HyperScalars, Optimizer, one_element_rows, pick_impl
+from ._dispatch import pick_impl
+from ._hyper import Hyper, HyperScalars
+from ._numerics import one_element_rows
+from .optimizer import Optimizer
 
 __all__ = ["ProximalGradientDescentOptimizer", "proximal_gradient_descent"]
 

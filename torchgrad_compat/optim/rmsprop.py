@@ -8,7 +8,10 @@ from typing import Any, ClassVar
 import torch
 from torch import Tensor
 
-from ._base import Flag, Hyper, HyperScalars, Optimizer, foreach_sqrt_, pick_impl, sqrt_
+from ._dispatch import pick_impl
+from ._hyper import Flag, Hyper, HyperScalars
+from ._numerics import foreach_sqrt_, sqrt_
+from .optimizer import Optimizer
 
 __all__ = ["RMSPropOptimizer", "rmsprop"]
 

@@ -33,6 +33,8 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from .._torch_internals import current_graph_task_id, sparse_nnz, sparse_rows, sparse_values
+
 __all__ = [
     "Collective",
     "DistributedCollective",
@@ -492,12 +494,6 @@ def _plan(params: Sequence[Tensor], cap_bytes: int, first_cap_bytes: int) -> lis
     return closed + list(open_.values())
 
 
-def _graph_task_id() -> int | None:
-    """The running backward pass (autograd's graph task), or None where torch does not say."""
-    current = getattr(torch._C, "_current_graph_task_id", None)
-    return None if current is None else current()
-
-
 class _ReadyHook:
     """A post-accumulate-grad hook that does not keep its reducer alive."""
 
@@ -665,7 +661,9 @@ class GradientReducer:
         local_sparse = {i: g for bucket in self._buckets for i, g in bucket.local_sparse.items()}
         local = [local_sparse.get(i) for i in indices]
         device = self._params[indices[0]].device
-        nnz = torch.tensor([0 if g is None else g._nnz() for g in local], dtype=torch.int64, device=device)
+        nnz = torch.tensor(
+            [0 if g is None else sparse_nnz(g) for g in local], dtype=torch.int64, device=device
+        )
         nnz_by_member = [row.tolist() for row in self._collective.all_gather(nnz)]
         sums = {}
         for k, (i, grad) in enumerate(zip(indices, local, strict=True)):
@@ -675,8 +673,8 @@ class GradientReducer:
             rows = torch.zeros(longest, dtype=torch.int64, device=p.device)
             values = torch.zeros((longest, *p.shape[1:]), dtype=p.dtype, device=p.device)
             if grad is not None:
-                rows[: grad._nnz()] = grad._indices()[0]
-                values[: grad._nnz()] = grad._values()
+                rows[: sparse_nnz(grad)] = sparse_rows(grad)
+                values[: sparse_nnz(grad)] = sparse_values(grad)
                 if average:
                     values.div_(self._collective.group_size)
             if longest > 0:
@@ -757,7 +755,7 @@ class GradientReducer:
         ran. Seen at the next step (outside backward), or at the next pass's first gradient."""
         if not self._in_pass:
             return
-        task = _graph_task_id()
+        task = current_graph_task_id()
         if in_backward and (task is None or task == self._pass_task):
             return  # the pass in progress (or a torch that does not tell passes apart)
         raise RuntimeError(
@@ -780,7 +778,7 @@ class GradientReducer:
                     "but the last backward pass under `with opt.no_sync():`, or call step() or "
                     "zero_grad() in between."
                 )
-            self._in_pass, self._pass_task = True, _graph_task_id()
+            self._in_pass, self._pass_task = True, current_graph_task_id()
             for bucket in self._buckets:
                 bucket.pending = bucket.hooked
             torch.autograd.Variable._execution_engine.queue_callback(self._finish_pass)

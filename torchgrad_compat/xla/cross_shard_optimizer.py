@@ -11,8 +11,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from ..optim._base import _called_from_dcp_init, _check_global_step, check_range
-from ..optim._wrapper import OptimizerWrapper
+from ..optim.wrapper import OptimizerWrapper, called_from_dcp_init, check_global_step, check_range
 from ._backend import (
     DEFAULT_BUCKET_BYTES,
     FIRST_BUCKET_BYTES,
@@ -376,7 +375,7 @@ class CrossShardOptimizer(OptimizerWrapper):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        if _called_from_dcp_init():
+        if called_from_dcp_init():
             # torch.distributed.checkpoint making a fresh optimizer's state (see Optimizer.step):
             # zero gradients, on parameters about to be loaded; not the first update, which is
             # still checked for agreement.
@@ -449,7 +448,7 @@ class CrossShardOptimizer(OptimizerWrapper):
             raise ValueError("No variables provided.")
         grads, listed = self._grads_by_param(pairs)
         if global_step is not None:
-            _check_global_step(global_step)
+            check_global_step(global_step)
         self._agree_at_first_step()
         sums = self._reducer.reduce(grads, average=False)
         # A variable another replica has a gradient for is applied here too, so replicas stay equal.

@@ -1,4 +1,9 @@
-"""The base of optimizers that wrap another: LossScaleOptimizer, CrossShardOptimizer, AGNOptimizer."""
+"""What optimizers that wrap another are built from: ``OptimizerWrapper``, and the checks and
+helpers they share with the optimizers.
+
+``LossScaleOptimizer``, ``CrossShardOptimizer``, ``AGNOptimizer`` and the TF checkpoint code use
+this package through this module and the ``Optimizer`` class alone.
+"""
 
 from __future__ import annotations
 
@@ -9,9 +14,45 @@ from typing import Any, ClassVar
 import torch
 from torch import Tensor
 
-from ._base import _check_global_step, _check_grad, _describe, _trainable, compute_gradients, hooked_update
+from .._torch_internals import called_from_dcp_init, no_step_pre_hooks
+from ._census import SameMeta, kept_census
+from ._checks import DEVICE_OF, DTYPE_OF, GRAD_OF, check_global_step, check_grad, describe, grads_fit
+from ._compute_gradients import compute_gradients, trainable
+from ._fused.config import UNSCALING
+from ._fused.run import Unscaling
+from ._group_keys import LOSS_SCALE_KEY_PREFIX
+from ._hyper import check_range, number_tensor, python_float
+from ._memory import bytes_spanned, check_no_shared_elements, is_expanded
+from ._numerics import summed_rows
+from .optimizer import hooked_update, own_update
 
-__all__ = ["OptimizerWrapper"]
+__all__ = [
+    "DEVICE_OF",
+    "DTYPE_OF",
+    "GRAD_OF",
+    "LOSS_SCALE_KEY_PREFIX",
+    "UNSCALING",
+    "OptimizerWrapper",
+    "SameMeta",
+    "Unscaling",
+    "bytes_spanned",
+    "called_from_dcp_init",
+    "check_global_step",
+    "check_grad",
+    "check_no_shared_elements",
+    "check_range",
+    "compute_gradients",
+    "describe",
+    "grads_fit",
+    "hooked_update",
+    "is_expanded",
+    "kept_census",
+    "no_step_pre_hooks",
+    "number_tensor",
+    "own_update",
+    "python_float",
+    "summed_rows",
+]
 
 _TORCH_HOOK_DICTS = (
     "_optimizer_step_pre_hooks",
@@ -156,14 +197,14 @@ class OptimizerWrapper(torch.optim.Optimizer):
             g, v = item
             if not isinstance(v, Tensor) or id(v) not in where:
                 raise ValueError(
-                    f"{type(self._optimizer).__name__} does not manage variable {_describe(v)}; "
+                    f"{type(self._optimizer).__name__} does not manage variable {describe(v)}; "
                     f"{type(self).__name__} takes the wrapped optimizer's parameters only"
                 )
             i = where[id(v)]
             if i in listed:
-                raise ValueError(f"variable {_describe(v)} appears more than once in grads_and_vars")
+                raise ValueError(f"variable {describe(v)} appears more than once in grads_and_vars")
             if g is not None:
-                _check_grad(type(self).__name__, g, v)
+                check_grad(type(self).__name__, g, v)
             grads[i] = g
             listed[i] = None
         return grads, listed
@@ -190,7 +231,7 @@ class OptimizerWrapper(torch.optim.Optimizer):
         }
         if hasattr(self._optimizer, "compute_gradients"):
             return self._optimizer.compute_gradients(loss, var_list=var_list, **kwargs)
-        var_list = _trainable(self.param_groups) if var_list is None else var_list
+        var_list = trainable(self.param_groups) if var_list is None else var_list
         return compute_gradients(loss, var_list, **kwargs)
 
     def apply_gradients(
@@ -247,13 +288,13 @@ class OptimizerWrapper(torch.optim.Optimizer):
             return
         pairs = list(grads_and_vars)
         if global_step is not None:
-            _check_global_step(global_step)
+            check_global_step(global_step)
         managed = {id(p) for p in self._all_params()}
         for _, v in pairs:
             if id(v) not in managed:
-                raise ValueError(f"{type(inner).__name__} does not manage variable {_describe(v)}")
+                raise ValueError(f"{type(inner).__name__} does not manage variable {describe(v)}")
         if all(g is None for g, _ in pairs):
-            raise ValueError(f"No gradients provided for any variable: {[_describe(v) for _, v in pairs]}.")
+            raise ValueError(f"No gradients provided for any variable: {[describe(v) for _, v in pairs]}.")
         saved = [(p, p.grad) for p in self._all_params()]
         try:
             for p, _ in saved:
@@ -328,7 +369,7 @@ class OptimizerWrapper(torch.optim.Optimizer):
         """Load :meth:`state_dict`'s output (or the earlier ``{"optimizer": ...}`` layout); all or nothing."""
         if not isinstance(state_dict, dict):
             raise TypeError(
-                f"{type(self).__name__}.load_state_dict expects a dict, got {_describe(state_dict)}"
+                f"{type(self).__name__}.load_state_dict expects a dict, got {describe(state_dict)}"
             )
         state_dict = state_dict.copy()  # (as torch's: hooks may change it, the caller's stays)
         for pre_hook in self._optimizer_load_state_dict_pre_hooks.values():

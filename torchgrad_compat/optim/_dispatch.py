@@ -1,0 +1,37 @@
+"""The functional dispatch every update rule uses: its reference loop, its foreach path, or fused."""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+
+import torch
+from torch import Tensor
+
+from ._fused.run import run_fused
+
+
+def pick_impl(
+    single: Callable[..., None],
+    multi: Callable[..., None],
+    *,
+    foreach: bool,
+    params: list[Tensor],
+    scratch: list[list[Tensor]] | None,
+    count: int,
+    fused: bool = False,
+) -> Callable[..., None]:
+    """An optimizer's functional dispatch: its reference loop, its foreach path bound to scratch, or fused.
+
+    ``scratch`` holds ``count`` lists of tensors shaped like ``params`` for the
+    foreach path's temporaries (:meth:`Optimizer._scratch` keeps them between
+    steps); None makes fresh ones. ``fused`` runs the reference loop itself
+    through ``torch.compile`` (see :func:`run_fused`).
+    """
+    if fused:
+        return functools.partial(run_fused, single)
+    if not foreach:
+        return single
+    if scratch is None:
+        scratch = [[torch.empty_like(p) for p in params] for _ in range(count)]
+    return functools.partial(multi, scratch=scratch)
