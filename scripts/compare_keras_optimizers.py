@@ -1,4 +1,6 @@
-"""Compare Keras 3 optimizers with the tf.compat.v1.train optimizer of the same math (README's Keras table).
+"""Compare Keras 3 optimizers with the tf.compat.v1.train optimizer of the same math.
+
+The measurement behind the Keras table of docs/checkpoint.md.
 
 Run with an interpreter that has TensorFlow (no torch needed)::
 

@@ -607,7 +607,7 @@ def test_rpc_server_restarted_from_a_checkpoint_continues(tmp_path):
 
 
 def test_train_agn_script_under_torchrun(tmp_path):
-    """README's command: torchrun, one server and two workers on 127.0.0.1; the center learns."""
+    """docs/agn.md's command: torchrun, one server and two workers on 127.0.0.1; the center learns."""
     script = Path(__file__).resolve().parents[1] / "scripts" / "train_agn.py"
     returncode, output = torchrun([str(script), "--steps", "60"], nproc=3, deadline_s=GROUP_DEADLINE_S)
     assert returncode == 0, output

@@ -200,7 +200,7 @@ def test_grpc_over_tls_serves_workers_that_trust_its_certificate(tmp_path):
 
 
 def test_train_agn_script_over_grpc_under_torchrun():
-    """The README's gRPC command: torchrun, one server and two workers with a shared token."""
+    """docs/agn.md's gRPC command: torchrun, one server and two workers with a shared token."""
     script = Path(__file__).resolve().parents[1] / "scripts" / "train_agn.py"
     args = [str(script), "--steps", "60", "--transport", "grpc", "--grpc-port", str(free_port())]
     env = {**os.environ, "AGN_TOKEN": TOKEN}

@@ -1,4 +1,4 @@
-"""The README's recipes for trainers that call ``loss.backward()`` themselves: its own code, run for real.
+"""docs/amp.md's recipes for trainers that call ``loss.backward()`` themselves: its own code, run for real.
 
 PyTorch Lightning (a precision plugin for automatic optimization; manual
 optimization) and Hugging Face's ``Trainer`` (a subclass), each against the same
@@ -26,7 +26,7 @@ from torchgrad_compat.amp import DynamicLossScale, LossScaleOptimizer
 BATCHES = 8
 POISONED = 4  # the loss of this micro-batch is times inf: its optimizer step is skipped
 CLIP = 0.05
-MANUAL_CLIP = 1.0  # the README's manual optimization recipe clips to this norm
+MANUAL_CLIP = 1.0  # docs/amp.md's manual optimization recipe clips to this norm
 
 
 def _model() -> nn.Module:
@@ -89,8 +89,8 @@ def _lightning() -> Any:
 
 
 def _loss_scale_precision(autocast: bool) -> Any:
-    """The README's precision plugin (Lightning's own AMP plugin does the same around GradScaler),
-    autocasting to bfloat16 on the CPU here (the README's autocasts to float16 on CUDA)."""
+    """docs/amp.md's precision plugin (Lightning's own AMP plugin does the same around GradScaler),
+    autocasting to bfloat16 on the CPU here (the page's autocasts to float16 on CUDA)."""
     readme = run_block("class LossScalePrecision", torch=torch)
 
     class OnTheCPU(readme["LossScalePrecision"]):
@@ -101,7 +101,7 @@ def _loss_scale_precision(autocast: bool) -> Any:
 
 
 def _lightning_module(L: Any, manual: bool, scales: list[float]) -> Any:
-    # The README's manual optimization recipe is this module's training_step.
+    # docs/amp.md's manual optimization recipe is this module's training_step.
     readme_training_step = run_block("self.manual_backward")["training_step"]
 
     class Regressor(L.LightningModule):
@@ -179,7 +179,7 @@ def test_lightning_without_the_plugin_raises() -> None:
 
 # ---------------------------------------------------------------------- Hugging Face Trainer
 def _loss_scale_trainer(transformers: Any, tmp_path: Any) -> type:
-    """The README's Trainer subclass; its block runs as written, building a Trainer."""
+    """docs/amp.md's Trainer subclass; its block runs as written, building a Trainer."""
     namespace = {"torch": torch, "AdamOptimizer": tgo.AdamOptimizer, "model": _HFRegressor(), "data": []}
     namespace["args"] = _hf_args(transformers, tmp_path, 1)
     return run_block("class LossScaleTrainer", **namespace)["LossScaleTrainer"]

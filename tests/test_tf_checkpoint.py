@@ -1239,7 +1239,7 @@ def _convert_and_continue(folder: Path, optimizer: str, tmp_path: Path) -> dict[
 
 
 # Three of the ten (a subprocess pair each costs seconds): Adam's non-lazy sparse rule and beta
-# powers, AdagradDA's step from the global step, Ftrl's l1. All ten agree to 2.4e-7 (README).
+# powers, AdagradDA's step from the global step, Ftrl's l1. All ten agree to 2.4e-7 (docs/checkpoint.md).
 @pytest.mark.parametrize("optimizer", ["adam", "adagrad_da", "ftrl"])
 def test_train_script_continues_a_tensorflow_run(optimizer: str, tmp_path: Path) -> None:
     ours = _convert_and_continue(TF_TRAIN, optimizer, tmp_path)
