@@ -739,7 +739,7 @@ class _StepMarks:
             f"{why}. Call opt.zero_grad(), then opt.get_scaled_loss(loss).backward() (once per "
             "micro-batch when accumulating), then step(); or pass unscaled gradients to "
             "apply_gradients() (see opt.get_unscaled_gradients). A trainer that calls "
-            "loss.backward() itself must scale the loss first: see the README's recipes."
+            "loss.backward() itself must scale the loss first: see the recipes in docs/amp.md."
         )
 
 

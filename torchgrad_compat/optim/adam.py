@@ -84,7 +84,7 @@ class AdamOptimizer(Optimizer):
         epsilon: ``>= 0``.
         foreach: use the multi-tensor path; None picks it where torch would.
         fused: update through kernels torch.compile generates, one pass over the
-            parameter, its gradient and its slots (CPU and CUDA; see the README).
+            parameter, its gradient and its slots (CPU and CUDA; see docs/fused.md).
 
     Raises:
         ValueError: a hyperparameter is out of range, NaN or infinite.

@@ -39,7 +39,7 @@ class GradientDescentOptimizer(Optimizer):
         learning_rate: step size, ``>= 0``; a number, a 0-d tensor or a callable.
         foreach: use the multi-tensor path; None picks it where torch would.
         fused: update through kernels torch.compile generates, one pass over the
-            parameter, its gradient and its slots (CPU and CUDA; see the README).
+            parameter, its gradient and its slots (CPU and CUDA; see docs/fused.md).
 
     Raises:
         ValueError: ``learning_rate`` is negative, NaN or infinite.
