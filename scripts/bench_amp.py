@@ -201,7 +201,7 @@ def time_checks(grads: list[Tensor], args: argparse.Namespace) -> list[tuple[str
     def read_only() -> None:
         total.zero_()
         with torch.no_grad():
-            run_fused(_non_finite_sum, grads, grads, total=total)
+            run_fused(_non_finite_sum, None, grads, grads, total=total)
 
     variants: list[tuple[str, Callable[[], object]]] = [
         (

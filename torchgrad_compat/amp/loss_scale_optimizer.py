@@ -20,7 +20,6 @@ from ..optim.wrapper import (
     DTYPE_OF,
     GRAD_OF,
     LOSS_SCALE_KEY_PREFIX,
-    UNSCALING,
     OptimizerWrapper,
     SameMeta,
     Unscaling,
@@ -344,12 +343,7 @@ class LossScaleOptimizer(OptimizerWrapper):
         gradients (see :meth:`_unscaled_inside`)."""
         inner = self._optimizer
         if unscaling is not None or (checked and isinstance(inner, Optimizer) and no_step_pre_hooks(inner)):
-            token = UNSCALING.set(unscaling)
-            try:
-                with inner._gradients_checked(kind):
-                    inner.step()
-            finally:
-                UNSCALING.reset(token)
+            inner.step(grads_checked=kind or True, unscaling=unscaling)
         else:
             inner.step()
 

@@ -14,7 +14,6 @@ from .._torch_internals import tracing_or_transforming, version
 from ._census import _same_entries, _same_objects
 from ._checks import GRAD_OF
 from ._fused import config as fused_config
-from ._fused.config import UNSCALING
 from ._group_keys import _WRAPPER_KEY_PREFIXES
 from ._hyper import HyperScalars, _is_kept_number
 from ._numerics import _HALF_DTYPES, _compute_dtype
@@ -23,6 +22,7 @@ if TYPE_CHECKING:
     from ._census import SameMeta, _SlotRecord
     from ._fused.kernel import _FusedKernel
     from ._fused.plan import _FusedPlan
+    from ._fused.run import Unscaling
     from .optimizer import Optimizer
 
 
@@ -154,9 +154,11 @@ class _StepReplay:
         slot_records: dict[int, _SlotRecord | None],
         slots_of: dict[int, list[dict[str, Any]]],
         evaluated: list[dict[str, Any]],
+        unscaling: Unscaling | None,
     ) -> _StepReplay | None:
         """The record of the step just taken, whose fused calls were ``calls`` (one per group, in
         order), or None where a call cannot be derived again from the groups and slots alone.
+        ``unscaling``: what the step's kernels unscaled the gradients by, if anything.
 
         A scalar that is not a kept hyperparameter tensor must be one the rule computes at each
         step (:attr:`Optimizer._derived_scalars`: Adam's ``alpha`` from its beta powers, its
@@ -220,16 +222,15 @@ class _StepReplay:
                 )
             )
         state = optimizer.state
-        unscaling = UNSCALING.get()
         return cls(records, list(state), list(state.values()), unscaling and unscaling.inv_scale)
 
-    def run(self, optimizer: Optimizer) -> bool:
+    def run(self, optimizer: Optimizer, unscaling: Unscaling | None) -> bool:
         """Take the step as recorded if everything it depends on is as it was; else change nothing
-        and return False."""
+        and return False. ``unscaling``: the step's kernels are to unscale the gradients (see
+        ``Optimizer.step``)."""
         if torch.is_inference_mode_enabled() or tracing_or_transforming():
             return False
         # (Kernels that unscale the gradients by this inverse scale, or that do not: as recorded.)
-        unscaling = UNSCALING.get()
         if (unscaling and unscaling.inv_scale) is not self._inv_scale:
             return False
         groups = optimizer.param_groups

@@ -100,8 +100,8 @@ class AdadeltaOptimizer(Optimizer):
             "accum_update": torch.zeros_like(p, memory_format=torch.preserve_format),
         }
 
-    def _apply_dense(self, group, params, grads, slots, non_slot, hyper):
-        foreach, fused = self._update_path(group, params)
+    def _apply_dense(self, group, params, grads, slots, non_slot, hyper, path):
+        foreach, fused = path
         adadelta(
             params,
             grads,

@@ -101,8 +101,8 @@ class AdagradOptimizer(Optimizer):
     def _init_slots(self, group, p):
         return {"accumulator": constant_slot(p, group["initial_accumulator_value"])}
 
-    def _apply_dense(self, group, params, grads, slots, non_slot, hyper):
-        foreach, fused = self._update_path(group, params)
+    def _apply_dense(self, group, params, grads, slots, non_slot, hyper, path):
+        foreach, fused = path
         adagrad(
             params,
             grads,

@@ -137,13 +137,13 @@ class AdagradDAOptimizer(Optimizer):
         }
         super().__init__(params, defaults)
 
-    def _apply(self, grouped, kinds=None, shapes=None, lists=None, census_of=None):
+    def _apply(self, grouped, kinds=None, shapes=None, lists=None, census_of=None, unscaling=None):
         # The caller's global_step is read again before every step where that is cheap (on the
         # CPU; an accelerator's would stall it), as hyperparameters are.
         step = self._global_step
         if step is not None and step.device.type == "cpu" and not torch.compiler.is_compiling():
             _check_step_count(step)
-        super()._apply(grouped, kinds, shapes, lists, census_of)
+        super()._apply(grouped, kinds, shapes, lists, census_of, unscaling)
 
     def _init_slots(self, group, p):
         return {
@@ -163,12 +163,12 @@ class AdagradDAOptimizer(Optimizer):
         global_step = self._global_step if self._global_step is not None else non_slot["global_step"]
         return global_step.to(device=device, dtype=torch.int64) + 1
 
-    def _apply_dense(self, group, params, grads, slots, non_slot, hyper):
+    def _apply_dense(self, group, params, grads, slots, non_slot, hyper, path):
         # TF's dense kernel converts T to float32 before casting it to the
         # parameter dtype, its sparse kernel converts it directly (the two
         # differ only past 2**24 steps).
         t = hyper.tensor(self._step_index(non_slot, hyper.device))
-        foreach, fused = self._update_path(group, params)
+        foreach, fused = path
         # TF branches on λ₁ > 0 (t_l1=None selects its λ₁ = 0 form). With λ₂ = 0
         # the denominator's λ₂(Tη) is +0, added to √s > 0 (s starts positive and
         # only grows), so it is left out. Only a Python number is tested:

@@ -201,8 +201,8 @@ class AdamOptimizer(Optimizer):
 
         return {"beta1_power": power(group["beta1"]), "beta2_power": power(group["beta2"])}
 
-    def _apply_dense(self, group, params, grads, slots, non_slot, hyper):
-        foreach, fused = self._update_path(group, params)
+    def _apply_dense(self, group, params, grads, slots, non_slot, hyper, path):
+        foreach, fused = path
         adam(
             params,
             grads,

@@ -157,8 +157,8 @@ class FtrlOptimizer(Optimizer):
             "linear": torch.zeros_like(p, memory_format=torch.preserve_format),
         }
 
-    def _apply_dense(self, group, params, grads, slots, non_slot, hyper):
-        foreach, fused = self._update_path(group, params)
+    def _apply_dense(self, group, params, grads, slots, non_slot, hyper, path):
+        foreach, fused = path
         if foreach and params[0].device.type != "cpu" and torch.compiler.is_compiling():
             # torch.compile of the foreach form on CUDA (torch 2.11, Inductor's default
             # options) gave parameters off by up to 3.07 after one step, where every other

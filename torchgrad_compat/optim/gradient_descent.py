@@ -66,8 +66,8 @@ class GradientDescentOptimizer(Optimizer):
     ):
         super().__init__(params, {"lr": learning_rate, "foreach": foreach, "fused": fused})
 
-    def _apply_dense(self, group, params, grads, slots, non_slot, hyper):
-        foreach, fused = self._update_path(group, params)
+    def _apply_dense(self, group, params, grads, slots, non_slot, hyper, path):
+        foreach, fused = path
         gradient_descent(
             params,
             grads,

@@ -95,8 +95,8 @@ class MomentumOptimizer(Optimizer):
     def _init_slots(self, group, p):
         return {"momentum": torch.zeros_like(p, memory_format=torch.preserve_format)}
 
-    def _apply_dense(self, group, params, grads, slots, non_slot, hyper):
-        foreach, fused = self._update_path(group, params)
+    def _apply_dense(self, group, params, grads, slots, non_slot, hyper, path):
+        foreach, fused = path
         use_nesterov = hyper.value("use_nesterov")
         momentum(
             params,

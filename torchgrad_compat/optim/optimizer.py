@@ -33,8 +33,7 @@ from __future__ import annotations
 import functools
 import itertools
 import operator
-from collections.abc import Callable, Iterable, Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Callable, Iterable, Sequence
 from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
@@ -55,8 +54,8 @@ from ._checks import (
     grads_fit,
 )
 from ._compute_gradients import GATE_GRAPH, GATE_NONE, GATE_OP, compute_gradients, trainable
-from ._fused.config import _CENSUS_HELD, _FUSED_CALLS, _ROWS_FIT
 from ._fused.graphs import _apart_from_gradients
+from ._fused.run import FusedStep, Unscaling
 from ._group_keys import (
     check_tf_names_written_since,
     recheck_group_keys,
@@ -146,9 +145,6 @@ class Optimizer(torch.optim.Optimizer):
     _non_slot_ranges: ClassVar[tuple[Hyper, ...]] = ()
     # Instance attributes kept by pickling and deepcopy, beyond torch's three.
     _pickled_attributes: ClassVar[tuple[str, ...]] = ("_non_slot_keys", "_tf_names_given")
-    # Truthy only inside _gradients_checked(): step() then skips its own check of every p.grad;
-    # a (device, dtype) when that check found every parameter and gradient of it.
-    _grads_checked: tuple[torch.device, torch.dtype] | bool = False
     # The kernel scalars a rule computes at every step (name -> its function of the group's
     # non-slot tensors and HyperScalars), which its _apply_dense takes from _derived and a
     # replayed step computes again the same way (see _StepReplay).
@@ -305,7 +301,11 @@ class Optimizer(torch.optim.Optimizer):
         slots: list[dict[str, Tensor]],
         non_slot: dict[str, Tensor],
         hyper: HyperScalars,
+        path: tuple[bool, FusedStep | None],
     ) -> None:
+        """Update ``params`` (one device and dtype) from ``grads``. ``path``: ``(foreach, fused)``,
+        the update path :meth:`_apply` chose, to hand the rule's functional form (``fused`` is
+        what the step knows for the fused kernels, or None)."""
         raise NotImplementedError
 
     def _apply_sparse(
@@ -348,7 +348,13 @@ class Optimizer(torch.optim.Optimizer):
             non_slot[key] = op(value, operand)
 
     # ------------------------------------------------------------------ torch API
-    def step(self, closure: Callable[[], Any] | None = None) -> Any:
+    def step(
+        self,
+        closure: Callable[[], Any] | None = None,
+        *,
+        grads_checked: tuple[torch.device, torch.dtype] | bool = False,
+        unscaling: Unscaling | None = None,
+    ) -> Any:
         """Apply ``p.grad`` of every parameter that has one (torch style).
 
         Parameters without a gradient are left untouched and get no slots. When
@@ -362,21 +368,40 @@ class Optimizer(torch.optim.Optimizer):
         accumulators (and Ftrl refuses ``lr`` 0), every optimizer-wide counter
         would advance. That call only creates the slots, with their initial
         values, as TF's slot creation does.
+
+        Two keyword arguments serve wrappers that handle the gradients first
+        (``LossScaleOptimizer``), as ``grad_scale`` and ``found_inf`` serve torch's
+        ``GradScaler``:
+
+        - ``grads_checked``: the caller has just checked every ``p.grad`` against its
+          parameter as this call would, and nothing that could replace one runs in
+          between (no step pre-hook): True, or the one device and dtype it found every
+          parameter and gradient to have. The check (about 0.5 ms per 1000 gradients of
+          host time) is not made twice.
+        - ``unscaling``: every ``p.grad`` is the gradient times a loss scale, and the fused
+          kernels multiply each by ``unscaling.inv_scale`` as they read it (writing it back
+          unscaled) instead of a pass of its own; ``unscaling.started`` tells the caller,
+          after an error, whether some were. Every group must be ``fused``.
         """
+        if unscaling is not None and not all(group.get("fused") for group in self.param_groups):
+            raise ValueError(
+                f"{type(self).__name__}.step(unscaling=...): every param group must be fused "
+                "(fused=True), whose kernels unscale the gradients; unscale them before step() instead"
+            )
         loss = None
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
         # (DCP's first step takes the whole path.)
         replay = self.__dict__.get("_step_replay")
-        if replay is not None and not called_from_dcp_init() and replay.run(self):
+        if replay is not None and not called_from_dcp_init() and replay.run(self, unscaling):
             return loss
         grouped: dict[int, list[tuple[Tensor, Tensor]]] = {}
         lists: dict[int, tuple[list[Tensor], list[Tensor]]] = {}
         kinds: dict[int, tuple[torch.device, torch.dtype] | None] = {}
         shapes: dict[int, list[torch.Size]] = {}
         census_of: dict[int, SameMeta] = {}
-        checked = self._grads_checked
+        checked = grads_checked
         compiling = torch.compiler.is_compiling()
         census = not compiling
         for gi, group in enumerate(self.param_groups):
@@ -419,7 +444,7 @@ class Optimizer(torch.optim.Optimizer):
             if called_from_dcp_init():
                 create_slots(self, grouped)
             else:
-                self._apply(grouped, kinds, shapes, lists, census_of)
+                self._apply(grouped, kinds, shapes, lists, census_of, unscaling)
         return loss
 
     def _census(
@@ -432,25 +457,6 @@ class Optimizer(torch.optim.Optimizer):
         it had then (:class:`SameMeta`): a training loop's do, step after step.
         """
         return kept_census(self.__dict__.setdefault("_census_kept", {}), index, params, grads)
-
-    @contextmanager
-    def _gradients_checked(self, kind: tuple[torch.device, torch.dtype] | None = None) -> Iterator[None]:
-        """A ``step()`` inside this block does not check ``p.grad`` against its parameter.
-
-        For a wrapper that has just checked every gradient as ``step()`` would, and
-        steps at once, with nothing in between that could replace one: no step
-        pre-hook (see :func:`no_step_pre_hooks`). ``LossScaleOptimizer`` must check
-        before it unscales in place; a second check costs about 0.5 ms per 1000
-        gradients of host time. ``kind``: the device and dtype that the check found
-        every parameter and gradient to have (see :func:`_shared_kind`), if one.
-        The step still compares its tensors with the metadata kept from the last
-        one (:meth:`_census`, one call), which is what lets it be replayed.
-        """
-        self._grads_checked = kind or True
-        try:
-            yield
-        finally:
-            self._grads_checked = False
 
     # ------------------------------------------------------------------ TF API
     def compute_gradients(
@@ -604,12 +610,6 @@ class Optimizer(torch.optim.Optimizer):
         check_loaded_non_slot(self, name, key, value, current)
 
     # ------------------------------------------------------------------ the update path
-    def _update_path(self, group: dict[str, Any], params: list[Tensor]) -> tuple[bool, bool]:
-        """``(foreach, fused)`` for a dense update of ``params``: at most one is True."""
-        if group.get("fused"):
-            return False, True
-        return self._use_foreach(group, params), False
-
     def _use_foreach(self, group: dict[str, Any], params: list[Tensor]) -> bool:
         foreach = group["foreach"]
         if foreach is None:
@@ -645,6 +645,7 @@ class Optimizer(torch.optim.Optimizer):
         shapes: dict[int, list[torch.Size]] | None = None,
         lists: dict[int, tuple[list[Tensor], list[Tensor]]] | None = None,
         census_of: dict[int, SameMeta] | None = None,
+        unscaling: Unscaling | None = None,
     ) -> None:
         """Update each group from its checked ``(grad, param)`` pairs, then run ``_finish`` once per group.
 
@@ -654,7 +655,8 @@ class Optimizer(torch.optim.Optimizer):
         parameters, where the caller has read them. ``lists``: per group, its pairs'
         parameters and gradients as two lists, where the caller has them.
         ``census_of``: per group, the kept metadata that step()'s census found them to
-        have (see :meth:`_census`).
+        have (see :meth:`_census`). ``unscaling``: the fused kernels unscale the gradients (see
+        :meth:`step`).
         """
         # (What a step did is kept only once it has been done; see _StepReplay.)
         self.__dict__.pop("_step_replay", None)
@@ -732,62 +734,55 @@ class Optimizer(torch.optim.Optimizer):
             and _StepReplay.may_follow(self, dense, in_pair_order, slot_records)
             else None
         )
-        recording = None if calls is None else _FUSED_CALLS.set(calls)
         # (Not under the caller's torch.compile, where the rules run as the loop.)
-        rows_fit = None if torch.compiler.is_compiling() else _ROWS_FIT.set(True)
-        try:
-            for gi, (group, values) in enumerate(zip(self.param_groups, evaluated, strict=True)):
-                non_slot = self._non_slot_of(group)
-                for (device, dtype), (bucket_params, bucket_grads) in dense.get(gi, {}).items():
-                    hyper = HyperScalars(values, _compute_dtype(dtype), device)
-                    # The fused kernel makes one pass over the whole bucket (see pick_impl), but
-                    # half-precision parameters go through float32 working copies, made a chunk
-                    # at a time so that they never hold the whole bucket.
-                    whole = group.get("fused") and dtype not in _HALF_DTYPES
-                    spans = [(0, len(bucket_params))] if whole else _chunks(bucket_params)
-                    for start, end in spans:
-                        params, grads = bucket_params[start:end], bucket_grads[start:end]
-                        if not has_slots:
-                            slots = [{}] * len(params)
-                        elif gi in in_pair_order:
-                            slots = slots_of[gi][start:end]
-                        else:
-                            slots = [state.get(p, {}) for p in params]
-                        if sharded:
-                            params, grads, slots = _local_shards(params, grads, slots)
+        in_step = not torch.compiler.is_compiling()
+        for gi, (group, values) in enumerate(zip(self.param_groups, evaluated, strict=True)):
+            non_slot = self._non_slot_of(group)
+            for (device, dtype), (bucket_params, bucket_grads) in dense.get(gi, {}).items():
+                hyper = HyperScalars(values, _compute_dtype(dtype), device)
+                # The fused kernel makes one pass over the whole bucket (see pick_impl), but
+                # half-precision parameters go through float32 working copies, made a chunk
+                # at a time so that they never hold the whole bucket.
+                whole = group.get("fused") and dtype not in _HALF_DTYPES
+                spans = [(0, len(bucket_params))] if whole else _chunks(bucket_params)
+                for start, end in spans:
+                    params, grads = bucket_params[start:end], bucket_grads[start:end]
+                    if not has_slots:
+                        slots = [{}] * len(params)
+                    elif gi in in_pair_order:
+                        slots = slots_of[gi][start:end]
+                    else:
+                        slots = [state.get(p, {}) for p in params]
+                    if sharded:
+                        params, grads, slots = _local_shards(params, grads, slots)
+                    fused = None
+                    if group.get("fused"):
                         held = (
-                            _CENSUS_HELD.set((census_of[gi], params, grads, slot_records[gi]))
+                            (census_of[gi], params, grads, slot_records[gi])
                             if gi in census_of and gi in slot_records and gi in in_pair_order and whole
                             else None
                         )
-                        try:
-                            with _working_precision(params, grads, slots) as (ps, gs, ss):
-                                self._apply_dense(group, ps, gs, ss, non_slot, hyper)
-                        finally:
-                            if held is not None:
-                                _CENSUS_HELD.reset(held)
-                for g, p in sparse.get(gi, []):
-                    if self._coalesce_sparse:
-                        indices, grad_values = summed_rows(g)
-                    else:
-                        indices, grad_values = sparse_rows(g), sparse_values(g)
-                    hyper = HyperScalars(values, _compute_dtype(p.dtype), p.device)
-                    with _working_precision([p], [grad_values], [self.state.get(p, {})]) as (ps, gs, ss):
-                        self._apply_sparse(group, ps[0], indices, gs[0], ss[0], non_slot, hyper)
-                self._finish(group, non_slot, values)
-                group.update(non_slot)
-                self._mark_written(gi, group)
-            if calls is not None:
-                replay = _StepReplay.of(
-                    self, calls, lists or {}, census_of, slot_records, slots_of, evaluated
-                )
-                if replay is not None:
-                    self.__dict__["_step_replay"] = replay
-        finally:
-            if rows_fit is not None:
-                _ROWS_FIT.reset(rows_fit)
-            if recording is not None:
-                _FUSED_CALLS.reset(recording)
+                        fused = FusedStep(in_step, held, calls, unscaling)
+                    with _working_precision(params, grads, slots) as (ps, gs, ss):
+                        path = (False, fused) if fused is not None else (self._use_foreach(group, ps), None)
+                        self._apply_dense(group, ps, gs, ss, non_slot, hyper, path)
+            for g, p in sparse.get(gi, []):
+                if self._coalesce_sparse:
+                    indices, grad_values = summed_rows(g)
+                else:
+                    indices, grad_values = sparse_rows(g), sparse_values(g)
+                hyper = HyperScalars(values, _compute_dtype(p.dtype), p.device)
+                with _working_precision([p], [grad_values], [self.state.get(p, {})]) as (ps, gs, ss):
+                    self._apply_sparse(group, ps[0], indices, gs[0], ss[0], non_slot, hyper)
+            self._finish(group, non_slot, values)
+            group.update(non_slot)
+            self._mark_written(gi, group)
+        if calls is not None:
+            replay = _StepReplay.of(
+                self, calls, lists or {}, census_of, slot_records, slots_of, evaluated, unscaling
+            )
+            if replay is not None:
+                self.__dict__["_step_replay"] = replay
 
 
 @functools.cache

@@ -101,8 +101,8 @@ class ProximalGradientDescentOptimizer(Optimizer):
         }
         super().__init__(params, defaults)
 
-    def _apply_dense(self, group, params, grads, slots, non_slot, hyper):
-        foreach, fused = self._update_path(group, params)
+    def _apply_dense(self, group, params, grads, slots, non_slot, hyper, path):
+        foreach, fused = path
         proximal_gradient_descent(
             params,
             grads,

@@ -135,9 +135,9 @@ class RMSPropOptimizer(Optimizer):
         slots["momentum"] = torch.zeros_like(p, memory_format=torch.preserve_format)
         return slots
 
-    def _apply_dense(self, group, params, grads, slots, non_slot, hyper):
+    def _apply_dense(self, group, params, grads, slots, non_slot, hyper, path):
         centered = group["centered"]
-        foreach, fused = self._update_path(group, params)
+        foreach, fused = path
         rmsprop(
             params,
             grads,

@@ -18,7 +18,6 @@ from .._torch_internals import called_from_dcp_init, no_step_pre_hooks
 from ._census import SameMeta, kept_census
 from ._checks import DEVICE_OF, DTYPE_OF, GRAD_OF, check_global_step, check_grad, describe, grads_fit
 from ._compute_gradients import compute_gradients, trainable
-from ._fused.config import UNSCALING
 from ._fused.run import Unscaling
 from ._group_keys import LOSS_SCALE_KEY_PREFIX
 from ._hyper import check_range, number_tensor, python_float
@@ -31,7 +30,6 @@ __all__ = [
     "DTYPE_OF",
     "GRAD_OF",
     "LOSS_SCALE_KEY_PREFIX",
-    "UNSCALING",
     "OptimizerWrapper",
     "SameMeta",
     "Unscaling",

@@ -18,12 +18,13 @@ from .._census import SameMeta
 from .._checks import _SHAPE_OF, DTYPE_OF, describe
 from .._memory import _flat, _layouts, bytes_spanned
 from . import config
-from .config import _CENSUS_HELD, _GRAPHS_PER_PLAN, _ROWS_FIT, _TRITON_ROW_LIMIT
+from .config import _GRAPHS_PER_PLAN, _TRITON_ROW_LIMIT
 from .graphs import _caching_allocator, _StepGraph
 
 if TYPE_CHECKING:
     from .._census import _SlotRecord
     from .kernel import _FusedKernel
+    from .run import FusedStep
 
 
 # The tensors that fill up a last chunk.
@@ -172,7 +173,7 @@ class _FusedPlan:
         # whether that was within step() (see _holds_as_last_found).
         self.found_for: tuple[SameMeta | None, bool] = (None, True)
         # Where step() had checked the parameters, gradients and slots then: the kept metadata
-        # its census found them to have, and that its check of the slots found (see _CENSUS_HELD).
+        # its census found them to have, and that its check of the slots found (see FusedStep.held).
         self.found_with: tuple[SameMeta, _SlotRecord | None] | None = None
 
     def call(self, kernel: _FusedKernel, lists: tuple[list[Tensor], ...], scalars: dict[str, Any]) -> None:
@@ -320,13 +321,15 @@ class _FusedPlan:
         lists: tuple[list[Tensor], ...],
         kernel: _FusedKernel,
         scalars: dict[str, Any],
+        step: FusedStep | None = None,
     ) -> _FusedPlan:
-        """The kept plan for ``lists`` if it still holds, else a new one (kept in its place)."""
+        """The kept plan for ``lists`` if it still holds, else a new one (kept in its place).
+        ``step``: what ``Optimizer._apply`` knows of the call (see :class:`FusedStep`)."""
         kept = [lists[0], *lists[2:]]
         key = next((lst[0] for lst in lists[2:] if lst), lists[0][0])
         plan = cls._kept.get(key)
-        in_step = _ROWS_FIT.get()
-        held = _CENSUS_HELD.get()
+        in_step = step is not None and step.in_step
+        held = step.held if step is not None else None
         if held is not None and not (lists[0] is held[1] and lists[1] is held[2]):
             held = None
         alone = kernel.alone is not None
@@ -389,7 +392,7 @@ class _FusedPlan:
         that holds aliases, parameters and slots at the same addresses and the aliases where they
         were. A plan found within ``step()`` is not taken for a functional call, which checks
         rows step() had already checked. ``held``: step() found the parameters, gradients and
-        slots to have the metadata it kept (see :data:`_CENSUS_HELD`); if it kept that when the
+        slots to have the metadata it kept (see ``FusedStep.held``); if it kept that when the
         plan was last found, none is read again.
         """
         same, found_in_step = self.found_for

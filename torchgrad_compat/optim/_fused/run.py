@@ -4,18 +4,52 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import Tensor
 
-from .config import _FUSED_CALLS, UNSCALING
 from .kernel import _FusedKernel
 from .plan import _FusedPlan
 
+if TYPE_CHECKING:
+    from .._census import SameMeta, _SlotRecord
 
-def run_fused(single: Callable[..., None], *lists: list[Tensor], **scalars: Any) -> None:
+
+class FusedStep:
+    """What a step of ``Optimizer._apply`` hands the fused kernels of one bucket besides its
+    tensors (None for a functional call from elsewhere).
+
+    - ``in_step``: every row has its parameter's shape (``step()`` and ``apply_gradients``
+      checked the gradients; slots are made and loaded so), which the plan need not check again;
+    - ``held``: the kept metadata that the step's census found the bucket's parameters and
+      gradients (these very lists) to have, and that its check of the slots found (None without
+      slots), with nothing run since that could change them (see ``_FusedPlan._holds_as_last_found``);
+    - ``calls``: the step is recorded for replay: each call appends what it ran, or None where it
+      took another way than one plan's kernel calls;
+    - ``unscaling``: the kernels unscale the gradients in their own pass (``LossScaleOptimizer``,
+      see :func:`_unscaling`).
+    """
+
+    __slots__ = ("calls", "held", "in_step", "unscaling")
+
+    def __init__(
+        self,
+        in_step: bool,
+        held: tuple[SameMeta, list[Tensor], list[Tensor], _SlotRecord | None] | None = None,
+        calls: list[Any] | None = None,
+        unscaling: Unscaling | None = None,
+    ):
+        self.in_step, self.held, self.calls, self.unscaling = in_step, held, calls, unscaling
+
+
+def run_fused(
+    single: Callable[..., None], step: FusedStep | None, *lists: list[Tensor], **scalars: Any
+) -> None:
     """Run the reference loop ``single`` over ``lists`` (params, grads, slots) as compiled kernels.
+
+    ``step``: what ``Optimizer._apply`` knows of this call (see :class:`FusedStep`); None for a
+    functional call, whose rows are checked in full.
 
     Inductor turns the loop's ops on one tensor into one loop over its
     elements, so each element of a parameter, its gradient and its slots is
@@ -42,12 +76,12 @@ def run_fused(single: Callable[..., None], *lists: list[Tensor], **scalars: Any)
             raise ValueError(
                 f"fused update: {name} must be a tensor of one element, got shape {tuple(value.shape)}"
             )
-    unscaling = UNSCALING.get()
+    unscaling = step.unscaling if step is not None else None
     if unscaling is not None:
         single = _unscaling(single)
         scalars = {**scalars, "inv_scale": unscaling.inv_scale}
         unscaling.started = True
-    calls = _FUSED_CALLS.get()
+    calls = step.calls if step is not None else None
     if calls is not None:
         calls.append(None)  # (replaced below where the step can be replayed)
     if torch.compiler.is_compiling() or torch.is_grad_enabled():
@@ -60,7 +94,7 @@ def run_fused(single: Callable[..., None], *lists: list[Tensor], **scalars: Any)
         return
     scalars = _distinct_scalars(scalars)
     kernel = _FusedKernel.of(single, lists, scalars)
-    plan = _FusedPlan.of(single, lists, kernel, scalars)
+    plan = _FusedPlan.of(single, lists, kernel, scalars, step)
     if plan.loop_rows:
         single(*[[lst[i] for i in plan.loop_rows] if lst else [] for lst in lists], **scalars)
     if not plan.chunks:
@@ -76,8 +110,9 @@ def run_fused(single: Callable[..., None], *lists: list[Tensor], **scalars: Any)
 
 
 class Unscaling:
-    """What ``LossScaleOptimizer`` hands the fused kernels of one step that unscale its gradients:
-    the inverse of the loss scale (a 0-d float32 tensor), and whether a kernel has started."""
+    """What a loss scale hands the fused kernels of one step that unscale its gradients (see
+    ``Optimizer.step``'s ``unscaling``): the inverse of the loss scale (a 0-d float32 tensor), and
+    whether a kernel has started (then some gradients are unscaled: a new backward pass is needed)."""
 
     __slots__ = ("inv_scale", "started")
 
