@@ -431,9 +431,9 @@ class BundleReader:
         checks of a load and its copies then read the same file, even if a new
         checkpoint is renamed over the path in between.
         """
-        path = self.data_file(entry.shard)
         fd = self._fds.get(entry.shard)
         if fd is None:
+            path = self.data_file(entry.shard)
             try:
                 fd = self._fds[entry.shard] = open_regular(path, "checkpoint data file")
             except FileNotFoundError:
@@ -441,6 +441,7 @@ class BundleReader:
                     f"{path}: missing; tensor {entry.name!r} is stored in it"
                 ) from None
         if os.fstat(fd).st_size < entry.offset + entry.size:
+            path = self.data_file(entry.shard)
             raise CorruptCheckpointError(f"{path}: truncated; tensor {entry.name!r} runs past its end")
         return fd
 
@@ -486,7 +487,6 @@ class BundleReader:
     def _read_entry(self, entry: BundleEntry) -> Tensor:
         assert entry.torch_dtype is not None
         self._check_size(entry)
-        path = self.data_file(entry.shard)
         fd = self._data_fd(entry)
         if entry.size <= _MAX_PREAD:
             buffer = os.pread(fd, entry.size, entry.offset)
@@ -499,8 +499,10 @@ class BundleReader:
                 value = crc32c.extend(value, chunk)
             buffer, crc = pieces, mask(value)
         if len(buffer) != entry.size:
+            path = self.data_file(entry.shard)
             raise CorruptCheckpointError(f"{path}: truncated; tensor {entry.name!r} runs past its end")
         if crc != entry.crc32c:
+            path = self.data_file(entry.shard)
             raise CorruptCheckpointError(
                 f"{path}: CRC32C mismatch in tensor {entry.name!r}; the file is corrupt"
             )
