@@ -26,6 +26,7 @@ final name.
 
 from __future__ import annotations
 
+import contextlib
 import heapq
 import itertools
 import math
@@ -562,7 +563,7 @@ def write_bundle(
     renamed: list[Path] = []
     try:
         fd, temporaries[data_path] = _create_temporary(data_path)
-        entries = _write_data(fd, tensors)
+        entries = _write_data(fd, data_path, tensors)
         # BundleHeaderProto: num_shards = 1, endianness LITTLE (0, omitted), version { producer: 1 }.
         header = varint_field(1, 1) + length_delimited(3, varint_field(1, 1))
         _write_file(index_path, build_table([(b"", header), *entries]), temporaries)
@@ -607,17 +608,29 @@ def _create_temporary(final: Path) -> tuple[int, Path]:
 
 def _write_file(final: Path, contents: bytes, temporaries: dict[Path, Path]) -> None:
     fd, temporaries[final] = _create_temporary(final)
-    with os.fdopen(fd, "wb") as f:
+    with _naming(final), os.fdopen(fd, "wb") as f:
         f.write(contents)
         f.flush()
         os.fsync(f.fileno())
 
 
-def _write_data(fd: int, tensors: dict[str, Tensor]) -> list[tuple[bytes, bytes]]:
-    """Write the tensors' bytes in key order to ``fd``; return their (key, BundleEntryProto) pairs."""
+@contextlib.contextmanager
+def _naming(final: Path) -> Iterator[None]:
+    """Name ``final`` in an OSError of writing it (a full disk's names no file)."""
+    try:
+        yield
+    except OSError as error:
+        if error.filename is None:
+            error.filename = str(final)
+        raise
+
+
+def _write_data(fd: int, path: Path, tensors: dict[str, Tensor]) -> list[tuple[bytes, bytes]]:
+    """Write the tensors' bytes in key order to ``fd`` (the file ``path`` will be); return their
+    (key, BundleEntryProto) pairs."""
     entries: list[tuple[bytes, bytes]] = []
     offset = 0
-    with os.fdopen(fd, "wb") as f:
+    with _naming(path), os.fdopen(fd, "wb") as f:
         for name in sorted(tensors, key=lambda n: n.encode("utf-8")):
             tensor = tensors[name].detach().to("cpu").contiguous()
             raw = tensor.reshape(-1).view(torch.uint8).numpy().tobytes() if tensor.numel() else b""

@@ -125,8 +125,9 @@ def proto_fields(buf: bytes, schema: Schema, where: str) -> dict[str, list[int |
         elif wire == _LENGTH_DELIMITED:
             length, pos = _varint(buf, pos, where)
             if length > len(buf) - pos:
+                label = repr(schema[number][0]) if number in schema else number
                 raise CorruptCheckpointError(
-                    f"{where}: field {number} declares {length} bytes, {len(buf) - pos} remain in the message"
+                    f"{where}: field {label} declares {length} bytes, {len(buf) - pos} remain in the message"
                 )
             value, pos = buf[pos : pos + length], pos + length
         else:
@@ -291,7 +292,7 @@ def _check_handles(handles: list[tuple[int, int]], end_of_blocks: int, where: st
         previous_end, previous = end, (offset, size)
 
 
-def _build_block(entries: list[tuple[bytes, bytes]]) -> bytes:
+def build_block(entries: list[tuple[bytes, bytes]]) -> bytes:
     # A restart point at every entry (no key sharing): larger than TF's own
     # tables, and just as valid for its reader.
     body = bytearray()
@@ -305,7 +306,7 @@ def _build_block(entries: list[tuple[bytes, bytes]]) -> bytes:
     return bytes(body)
 
 
-def _append_block(out: bytearray, block: bytes) -> bytes:
+def append_block(out: bytearray, block: bytes) -> bytes:
     """Append a block and its trailer; return its encoded handle."""
     handle = encode_varint(len(out)) + encode_varint(len(block))
     out += block + b"\x00" + struct.pack("<I", masked_crc(block + b"\x00"))
@@ -314,8 +315,8 @@ def _append_block(out: bytearray, block: bytes) -> bytes:
 
 def build_table(entries: list[tuple[bytes, bytes]]) -> bytes:
     out = bytearray()
-    data_handle = _append_block(out, _build_block(entries))
-    meta_handle = _append_block(out, _build_block([]))
-    index_handle = _append_block(out, _build_block([(entries[-1][0], data_handle)]))
+    data_handle = append_block(out, build_block(entries))
+    meta_handle = append_block(out, build_block([]))
+    index_handle = append_block(out, build_block([(entries[-1][0], data_handle)]))
     footer = (meta_handle + index_handle).ljust(40, b"\x00") + struct.pack("<Q", TABLE_MAGIC)
     return bytes(out + footer)

@@ -1055,7 +1055,7 @@ def _check_step_arg(global_step: Any) -> int | None:
     if isinstance(global_step, Tensor):
         if global_step.dim() != 0 or global_step.is_meta or not _is_integer(global_step.dtype):
             raise TypeError(f"global_step must be an int or a 0-d integer tensor, got {global_step!r}")
-        global_step = int(global_step)
+        global_step = global_step.item()  # (int() of a uint64 past 2**63 - 1 raises, unnamed)
     elif isinstance(global_step, bool) or not isinstance(global_step, int):
         raise TypeError(f"global_step must be an int or a 0-d integer tensor, got {global_step!r}")
     if not 0 <= global_step <= torch.iinfo(torch.int64).max:
