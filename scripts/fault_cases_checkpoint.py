@@ -89,6 +89,22 @@ def _repeated_handles(prefix: Path) -> None:
     Path(f"{prefix}.index").write_bytes(bytes(out) + footer)
 
 
+def _ever_longer_keys(prefix: Path) -> None:
+    """One data block of 20,000 keys, each sharing all of the one before plus a byte: 100 KB that
+    decode to 200 MB of keys."""
+    with open(f"{prefix}.index", "rb") as index:
+        header = table.read_table(index, "fault_cases")[0][1]
+    body = bytearray(table.encode_varint(0) * 2 + table.encode_varint(len(header)) + header)
+    for i in range(20000):
+        body += table.encode_varint(i) + b"\x01\x00a"
+    out = bytearray()
+    data = table.append_block(out, bytes(body) + (0).to_bytes(4, "little") + (1).to_bytes(4, "little"))
+    meta = table.append_block(out, table.build_block([]))
+    index = table.append_block(out, table.build_block([(b"a" * 20000, data)]))
+    footer = (meta + index).ljust(40, b"\x00") + table.TABLE_MAGIC.to_bytes(8, "little")
+    Path(f"{prefix}.index").write_bytes(bytes(out) + footer)
+
+
 def _patch(path_of: Callable[[Path], Path], offset: int, data: bytes) -> Callable[[Path], None]:
     def patch(prefix: Path) -> None:
         path = path_of(prefix)
@@ -220,6 +236,7 @@ _READER_CASES: dict[str, tuple[Callable[[Path], None], tuple[str, ...]]] = {
         ("index", "out of order"),
     ),
     "one 2000-entry block named 200 times": (_repeated_handles, ("index", "overlap")),
+    "20,000 keys, each sharing all of the one before": (_ever_longer_keys, ("index", "16 times")),
     "a block handle past the end": (
         _patch(lambda p: Path(f"{p}.index"), -48, bytes([0, 0]) + table.encode_varint(10**6) + bytes([10])),
         ("index", "runs past"),

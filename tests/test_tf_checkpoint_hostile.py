@@ -324,6 +324,35 @@ def test_block_handles_given_twice_are_refused_before_any_block_is_parsed(tmp_pa
     assert time.perf_counter() - start < 2
 
 
+def test_keys_that_share_ever_longer_prefixes_are_refused_before_they_grow(tmp_path: Path) -> None:
+    """Each key may share all of the one before: 20,000 keys of one new byte each, 100 KB encoded,
+    decode to 200 MB (a 1 MB block to 31 GB). TF restarts sharing every 16 keys; refuse more."""
+    prefix = _saved(tmp_path)
+    header = _table_of(prefix)[0][1]
+    body = bytearray(_varint(0) + _varint(0) + _varint(len(header)) + header)
+    for i in range(20000):
+        body += _varint(i) + _varint(1) + _varint(0) + b"a"
+    block = bytes(body) + (0).to_bytes(4, "little") + (1).to_bytes(4, "little")  # one restart, at 0
+    out = bytearray()
+    data = _append_block(out, block)
+    meta = _append_block(out, _block([]))
+    index = _append_block(out, _block([(b"a" * 20000, data)]))
+    footer = (meta + index).ljust(40, b"\x00") + TABLE_MAGIC.to_bytes(8, "little")
+    Path(f"{prefix}.index").write_bytes(bytes(out) + footer)
+    w = torch.zeros(3)
+    tracemalloc.start()
+    try:
+        with _deadline(20), pytest.raises(CorruptCheckpointError) as caught:
+            load_tf_checkpoint(prefix, {"w": w})
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert f"{prefix}.index: the keys of a" in str(caught.value)
+    assert "decode to more than 16 times its size" in str(caught.value)
+    assert peak < 16 << 20, f"{peak / 2**20:.0f} MiB"
+    assert not w.any()
+
+
 def test_many_pieces_load_in_n_log_n(tmp_path: Path) -> None:
     """4000 one-element pieces: 71 s with the pairwise overlap check, well under a second sorted."""
     prefix = _partitioned(tmp_path, 4000)

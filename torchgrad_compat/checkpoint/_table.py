@@ -20,6 +20,7 @@ TABLE_MAGIC = 0xDB4775248B80FB57
 FOOTER_SIZE = 48  # two block handles padded to 40 bytes, then the 8-byte magic
 BLOCK_TRAILER_SIZE = 5  # compression type byte + masked CRC32C
 _MASK_DELTA = 0xA282EAD8
+_RESTART_INTERVAL = 16  # LevelDB's and TF's table builders restart key sharing every 16 keys
 _VARINT, _FIXED64, _LENGTH_DELIMITED, _FIXED32 = 0, 1, 2, 5
 _WIRE_NAMES = {
     _VARINT: "varint",
@@ -210,12 +211,22 @@ def _block_entries(block: bytes, where: str) -> list[tuple[bytes, bytes]]:
     entries = []
     key = b""
     pos = 0
+    key_bytes = 0
     while pos < end:
         shared, pos = _varint(block, pos, where)
         non_shared, pos = _varint(block, pos, where)
         value_length, pos = _varint(block, pos, where)
         if shared > len(key) or non_shared + value_length > end - pos:
             raise CorruptCheckpointError(f"{where}: malformed table block entry")
+        # Each key may share all of the one before: unchecked, a block of n one-byte suffixes
+        # decodes to n**2 / 2 bytes (31 GB from 1 MB). TF restarts the sharing every
+        # _RESTART_INTERVAL keys, so its keys decode to at most that many times the block.
+        key_bytes += shared + non_shared
+        if key_bytes > _RESTART_INTERVAL * len(block):
+            raise CorruptCheckpointError(
+                f"{where}: the keys of a {len(block)}-byte table block decode to more than "
+                f"{_RESTART_INTERVAL} times its size"
+            )
         key = key[:shared] + block[pos : pos + non_shared]
         pos += non_shared
         entries.append((key, block[pos : pos + value_length]))
