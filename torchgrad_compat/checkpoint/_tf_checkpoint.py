@@ -521,7 +521,9 @@ def load_tf_checkpoint(
     optimizer's attribute on the checkpoint, ``"optimizer"`` by default).
 
     Args:
-        path: a checkpoint prefix, or a directory (its latest checkpoint).
+        path: a checkpoint prefix, one of its files, or a directory (its
+            latest checkpoint, as its ``checkpoint`` state file names it; that
+            name is taken as written, never stripped of a file suffix).
         var_map: TF variable name -> tensor, or -> ``(tensor, layout)`` where
             layout is ``"transpose"`` (2-D) or a dim permutation ``perm`` with
             ``tensor = tf_value.permute(perm)``; applied to the slots too. An
@@ -565,9 +567,11 @@ def load_tf_checkpoint(
 
     Raises:
         FileNotFoundError: no checkpoint at ``path``.
-        CorruptCheckpointError: the index is malformed, or (``strict=True``) a
-            tensor asked for is truncated or fails its CRC32C check; its
-            ``problems`` lists every such tensor. Nothing has been changed.
+        CorruptCheckpointError: the index or the state file is malformed, or a
+            file of the checkpoint is not a regular file (a FIFO is refused, not
+            waited on), or (``strict=True``) a tensor asked for is truncated or
+            fails its CRC32C check; its ``problems`` lists every such tensor.
+            The message names the file and the entry. Nothing has been changed.
         CheckpointMismatchError: (``strict=True``) a name is missing from the
             checkpoint, a shape or dtype differs, or a dtype has no torch
             counterpart; its ``problems`` lists every one. Nothing has been changed.
@@ -910,10 +914,34 @@ def save_tf_checkpoint(
             it, for a graph with several optimizers (a GAN's): save the
             generator's variables and optimizer, then the discriminator's with
             ``append=True`` and its suffix or scope. A name written twice is
-            refused, except an equal ``global_step``.
+            refused, except an equal ``global_step``. The checkpoint there is
+            checked whole (sizes, pieces, CRC32C) before any of it is read.
 
     Returns:
         The prefix written.
+
+    Raises:
+        ValueError: what could not be read back is refused before anything is
+            written: a prefix that is empty, a directory, holds a NUL or ends as
+            a checkpoint's file does (``.index``, ``.data-00000-of-00001``); a
+            tensor name that is empty, holds a NUL, is not valid Unicode or is
+            ``_CHECKPOINTABLE_OBJECT_GRAPH``; a meta, sparse or nested tensor; a
+            ``global_step`` outside ``[0, 2**63 - 1]``. Each names the path, the
+            tensor or the argument.
+        CorruptCheckpointError: the directory's ``checkpoint`` state file, or
+            with ``append=True`` the checkpoint at ``path``, cannot be read.
+        OSError: a write failed (a full disk); the error names the file.
+
+    A save is all or nothing. It reads and checks the directory's state file
+    first, then writes the data file, the index and the new state file in full,
+    each under a fresh temporary name in the directory (created exclusively,
+    never through a symlink planted there), syncs them, and only then renames
+    them over their final names: data, index, state file. A save that fails
+    leaves nothing new: no temporary, no checkpoint, the state file as it was.
+    (Should a rename itself fail, the files already renamed are removed again
+    where there were none before; one that replaced a file of a checkpoint
+    saved earlier at the same prefix stays replaced, and the mismatched pair
+    is then refused on load by its CRC32C, never read as values.)
     """
     if not isinstance(path, (str, os.PathLike)):
         raise TypeError(f"path must be a str or os.PathLike, got {type(path).__name__}: {path!r}")
