@@ -435,6 +435,24 @@ def test_a_bad_state_file_is_refused_naming_it(
     assert "checkpoint" in str(error)
 
 
+def test_a_state_file_as_tf_writes_it_is_read(tmp_path: Path) -> None:
+    """The control for the strict parser: every field of CheckpointState, octal-escaped UTF-8 (as
+    Python's text_format writes it), numbers in each form text format allows, comments."""
+    save_tf_checkpoint(tmp_path / "modèle.ckpt-1", {"w": torch.ones(2)})
+    octal = "".join(f"\\{byte:03o}" for byte in "è".encode())
+    (tmp_path / "checkpoint").write_text(
+        f'model_checkpoint_path: "mod{octal}le.ckpt-1"\r\n'
+        "# written by tf.train.CheckpointManager\n"
+        f'all_model_checkpoint_paths: "mod{octal}le.ckpt-1"\n'
+        "all_model_checkpoint_timestamps: 1.7e+09\n"
+        "all_model_checkpoint_timestamps: 1700000000.5\n"
+        "last_preserved_timestamp: -inf\n"
+    )
+    w = torch.zeros(2)
+    load_tf_checkpoint(tmp_path, {"w": w})
+    assert torch.equal(w, torch.ones(2))
+
+
 def test_a_directory_loads_the_prefix_its_state_file_names_as_written(tmp_path: Path) -> None:
     """TF's Saver can write prefix ``d/model.index`` (its files ``model.index.index``, ...); the
     state file naming it must not be read as the index file of ``d/model``."""

@@ -34,7 +34,7 @@ _SKIP = re.compile(r"(?:\s+|#[^\n]*)*")
 _FIELD_NAME = re.compile(r"([A-Za-z_][A-Za-z0-9_]*)[ \t\r\n]*:")
 _STRING = re.compile(r""""((?:[^"\\\n]|\\.)*)"|'((?:[^'\\\n]|\\.)*)'""")
 _NUMBER = re.compile(
-    r"[-+]?(?:inf(?:inity)?|nan|(?:\d+\.?\d*|\.\d+)(?:e[-+]?\d+)?f?)(?![\w.])", re.IGNORECASE
+    r"([-+]?(?:inf(?:inity)?|nan|(?:\d+\.?\d*|\.\d+)(?:e[-+]?\d+)?))f?(?![\w.])", re.IGNORECASE
 )
 _ESCAPE = re.compile(
     r"\\(?:([0-7]{1,3})|x([0-9a-fA-F]{1,2})|u([0-9a-fA-F]{4})|U([0-9a-fA-F]{8})|(.))", re.DOTALL
@@ -80,10 +80,12 @@ def _parse(text: str, where: str) -> dict[str, list[str | float]]:
     while pos < len(text):
         line = text.count("\n", 0, pos) + 1
         name = _FIELD_NAME.match(text, pos)
-        if name is None or name[1] not in _FIELDS:
-            shown = name[1] if name else text[pos : pos + 20].split("\n")[0]
+        if name is None:
+            shown = re.match(r"\S{0,40}", text[pos:])[0]  # type: ignore[index]  # (it matches "")
+            raise CorruptCheckpointError(f"{where}, line {line}: expected 'field: value', got {shown!r}")
+        if name[1] not in _FIELDS:
             raise CorruptCheckpointError(
-                f"{where}, line {line}: {shown!r} is not a field of a checkpoint state file "
+                f"{where}, line {line}: {name[1]!r} is not a field of a checkpoint state file "
                 f"({', '.join(_FIELDS)})"
             )
         pos = _skip(text, name.end())
@@ -105,7 +107,7 @@ def _parse(text: str, where: str) -> dict[str, list[str | float]]:
             number = _NUMBER.match(text, pos)
             if number is None:
                 raise CorruptCheckpointError(f"{where}, line {line}: {name[1]} needs a number")
-            value = float(number[0].rstrip("fF").lower().replace("infinity", "inf"))
+            value = float(number[1])
             pos = _skip(text, number.end())
         fields.setdefault(name[1], []).append(value)
         if pos < len(text) and text[pos] in ",;":  # text format's optional field separators
