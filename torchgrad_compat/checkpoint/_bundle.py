@@ -27,7 +27,6 @@ final name.
 from __future__ import annotations
 
 import contextlib
-import heapq
 import itertools
 import math
 import os
@@ -226,35 +225,6 @@ def _decode_slice_key(key: bytes, where: str) -> tuple[str, tuple[tuple[int, int
         raise CorruptCheckpointError(f"{where}: malformed slice key {key!r} ({error})") from None
 
 
-def _first_overlap(
-    boxes: list[tuple[tuple[int, int], ...]],
-) -> tuple[tuple[tuple[int, int], ...], tuple[tuple[int, int], ...]] | None:
-    """Two of the boxes (``(start, length)`` per dim) that share an element, or None.
-
-    A sweep along the dim with the most distinct starts, comparing each box only
-    with the boxes still open there: for pieces cut along one dim (what TF's
-    partitioners write) at most one is, so n pieces cost O(n log n).
-    """
-    boxes = [box for box in boxes if all(n > 0 for _, n in box)]  # an empty piece holds no element
-    if len(boxes) < 2:
-        return None
-    if not boxes[0]:  # two pieces of a scalar
-        return boxes[0], boxes[1]
-    axis = max(range(len(boxes[0])), key=lambda d: len({box[d][0] for box in boxes}))
-    still_open: list[tuple[int, int]] = []  # a heap of (end along the axis, index)
-    for i in sorted(range(len(boxes)), key=lambda i: boxes[i][axis][0]):
-        start, length = boxes[i][axis]
-        while still_open and still_open[0][0] <= start:
-            heapq.heappop(still_open)
-        for _, j in still_open:
-            if all(
-                sa < sb + nb and sb < sa + na for (sa, na), (sb, nb) in zip(boxes[j], boxes[i], strict=True)
-            ):
-                return boxes[j], boxes[i]
-        heapq.heappush(still_open, (start + length, i))
-    return None
-
-
 def open_regular(path: str | os.PathLike[str], what: str) -> int:
     """A read-only descriptor of ``path``, which must be a regular file.
 
@@ -347,7 +317,8 @@ class BundleReader:
         """Check that tensor ``name`` can be read: its size, its pieces, its bytes' CRC32C.
 
         Streams the bytes through the checksum a few MB at a time and keeps
-        none of them, so checking a checkpoint costs no memory for its data.
+        none of them, so checking a checkpoint costs no memory for its data
+        (a partitioned variable's check holds one flag per element a moment).
 
         Raises:
             TypeError: the tensor's dtype has no torch dtype.
@@ -365,9 +336,10 @@ class BundleReader:
         return entry
 
     def _pieces_of(self, entry: BundleEntry) -> list[tuple[tuple[tuple[int, int], ...], BundleEntry]]:
-        """A partitioned variable's pieces as (extents, entry), checked to exist and cover it."""
+        """A partitioned variable's pieces as (extents, entry), checked to exist, to lie in the
+        data files and to cover it, each element once."""
         pieces = []
-        covered = 0
+        held = 0
         for extents in entry.slices:
             # A piece's key writes a whole dim as (0, -1) where its slice leaves the length out.
             whole = tuple(
@@ -393,24 +365,30 @@ class BundleReader:
                     f"{self.prefix}: piece {list(extents)} of {entry.name!r} lies outside its shape "
                     f"{list(entry.shape)}"
                 )
+            self._check_size(piece)
+            self._data_fd(piece)  # its bytes are in the file: the pieces hold at most the files
             pieces.append((extents, piece))
-            covered += math.prod(piece.shape)
-        # In bounds, disjoint and as many elements as the variable: every element once. (A count
-        # alone passes a piece given twice for one left out, whose rows would stay uninitialised.)
-        overlap = _first_overlap([extents for extents, _ in pieces])
-        if overlap is not None:
-            raise CorruptCheckpointError(
-                f"{self.prefix}: pieces {list(overlap[0])} and {list(overlap[1])} of {entry.name!r} overlap"
-            )
-        if covered != math.prod(entry.shape):
+            held += math.prod(piece.shape)
+        # In bounds, as many elements as the variable and none left out: every element once. (A
+        # count alone passes a piece given twice for one left out, whose rows would stay
+        # uninitialised.) One flag per element, at most the pieces' bytes: exact in any number
+        # of dims, and linear where comparing pieces pairwise took 71 s for 4000 of them.
+        if held != math.prod(entry.shape):
             raise CorruptCheckpointError(f"{self.prefix}: the pieces of {entry.name!r} do not cover it")
+        if held:
+            covered = torch.zeros(entry.shape, dtype=torch.bool)
+            for extents, _ in pieces:
+                covered[tuple(slice(s, s + n) for s, n in extents)] = True
+            if not covered.all():
+                missing = (~covered).nonzero()[0].tolist()
+                raise CorruptCheckpointError(
+                    f"{self.prefix}: pieces of {entry.name!r} overlap: they hold as many elements as "
+                    f"it, yet none holds element {missing}"
+                )
         return pieces
 
     def _assemble(self, entry: BundleEntry) -> Tensor:
-        pieces = self._pieces_of(entry)
-        for _, piece in pieces:  # before the whole is allocated: its size is what the files hold
-            self._check_size(piece)
-            self._data_fd(piece)
+        pieces = self._pieces_of(entry)  # (checked against the files before the whole is allocated)
         out = torch.empty(entry.shape, dtype=entry.torch_dtype)
         for extents, piece in pieces:
             out[tuple(slice(s, s + n) for s, n in extents)] = self._read_entry(piece)
