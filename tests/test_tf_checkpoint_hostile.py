@@ -362,7 +362,8 @@ def test_many_pieces_load_in_linear_time(tmp_path: Path) -> None:
         load_tf_checkpoint(prefix, {"v": v})
     elapsed = time.perf_counter() - start
     assert torch.equal(v, torch.arange(4000.0))
-    assert elapsed < 3, f"{elapsed:.1f} s"
+    # 1.3 s measured on 2 cores under a load of 7; the pairwise check took 71 s (4000 pieces).
+    assert elapsed < 10, f"{elapsed:.1f} s"
 
 
 def test_a_sparse_index_of_1_gib_is_read_by_its_blocks_not_whole(tmp_path: Path) -> None:
