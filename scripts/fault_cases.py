@@ -1,19 +1,30 @@
-"""Hostile inputs against the optimizers and LossScaleOptimizer: each must fail loudly and change nothing.
+"""Hostile inputs against the optimizers, LossScaleOptimizer and TF checkpoints: each must fail loudly
+and change nothing.
 
 Each case builds fresh objects, snapshots everything a step or a load could
-change (parameters, gradients, the whole ``state_dict``), does one wrong thing,
-and is classified:
+change (parameters, gradients, the whole ``state_dict``, the files of a
+checkpoint's directory), does one wrong thing, and is classified:
 
-- ``named``: an exception whose message names the argument or the value, and
-  nothing changed;
+- ``named``: an exception whose message names the argument, the value or (for
+  a checkpoint) the file and the entry, and nothing changed;
+- ``unharmed``: a hostile neighbour that needs no error (a symlink planted
+  where a save puts its temporaries): no error, and nothing it points at changed;
 - ``unnamed``: an exception that names neither, nothing changed;
 - ``partial``: an exception, after something had changed;
 - ``accepted``: no exception for a bad input (whether or not it changed anything);
 - ``hang``: no answer within ``--timeout`` seconds.
 
+The checkpoint cases are crafted from a checkpoint the package saved: index
+entries with fields of the wrong wire type or out of range, keys twice or out
+of order, block handles repeated or past the end, FIFOs and directories at a
+file's path, bad state files; saves beside planted symlinks, a full disk,
+names and prefixes that could not be read back. Their peak memory (traced
+Python allocations) is in the table, and the largest crafted input is named
+under it.
+
 Run: ``python scripts/fault_cases.py`` (``--show all`` lists every case, not
-only the ones that are not ``named``). The exit status is 1 when any case is
-not ``named``. The distributed faults (a rank's mistake under
+only the failures). The exit status is 1 when any case is neither ``named``
+nor ``unharmed``. The distributed faults (a rank's mistake under
 CrossShardOptimizer, a frozen peer, AGN's transports and checkpoints) need
 real processes and are covered by the test suite instead.
 """
@@ -23,13 +34,18 @@ from __future__ import annotations
 import argparse
 import collections
 import math
+import os
 import signal
 import sys
+import tempfile
+import tracemalloc
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
+from fault_cases_checkpoint import checkpoint_cases  # (this script's folder is on sys.path)
 from torch import Tensor
 
 import torchgrad_compat.optim as optim
@@ -102,7 +118,10 @@ class Case:
     section: str
     name: str
     build: Callable[[], tuple[Any, Callable[[], Any]]]  # () -> (what to snapshot, the wrong call)
-    names: tuple[str, ...]  # a message naming any of these counts as named
+    names: tuple[str, ...]  # a message naming all of these counts as named (any of them, if any_name)
+    any_name: bool = True
+    unharmed_if_no_error: bool = False  # a hostile neighbour: no error is right, if nothing changed
+    traced: bool = False  # record the call's peak traced memory
 
 
 class _Timeout(Exception):
@@ -110,6 +129,12 @@ class _Timeout(Exception):
 
 
 def _snapshot(obj: Any) -> Any:
+    if isinstance(obj, Path):  # a directory: every file's bytes, every symlink's target
+        return {
+            str(p.relative_to(obj)): f"-> {os.readlink(p)}" if p.is_symlink() else p.read_bytes()
+            for p in sorted(obj.rglob("*"))
+            if p.is_symlink() or p.is_file()
+        }
     if isinstance(obj, Tensor):
         return obj.detach().clone() if obj.device.type != "meta" else obj
     if isinstance(obj, torch.optim.Optimizer):
@@ -145,12 +170,21 @@ def _same(a: Any, b: Any) -> bool:
     return a == b
 
 
-def run_case(case: Case, timeout: int) -> tuple[str, str]:
+def _input_size(watched: Any) -> int:
+    """The bytes of the files in the directories ``watched`` holds (a sparse file at its full size)."""
+    folders = [
+        w for w in (watched if isinstance(watched, (list, tuple)) else [watched]) if isinstance(w, Path)
+    ]
+    return sum(p.lstat().st_size for folder in folders for p in folder.rglob("*") if p.is_file())
+
+
+def run_case(case: Case, timeout: int) -> tuple[str, str, int, int]:
+    """(outcome, detail, peak traced bytes of the call (0 untraced), bytes of the crafted files)."""
     try:
         watched, call = case.build()
     except Exception as e:  # the package under test lacks what the case needs
-        return "setup failed", f"{type(e).__name__}: {e}"
-    before = _snapshot(watched)
+        return "setup failed", f"{type(e).__name__}: {e}", 0, 0
+    before, size = _snapshot(watched), _input_size(watched)
 
     def on_alarm(signum, frame):
         raise _Timeout
@@ -158,24 +192,33 @@ def run_case(case: Case, timeout: int) -> tuple[str, str]:
     previous = signal.signal(signal.SIGALRM, on_alarm)
     signal.alarm(timeout)
     error: BaseException | None = None
+    peak = 0
+    if case.traced:
+        tracemalloc.start()
     try:
         call()
     except _Timeout:
-        return "hang", f"no answer in {timeout} s"
+        return "hang", f"no answer in {timeout} s", 0, size
     except Exception as e:
         error = e
     finally:
         signal.alarm(0)
         signal.signal(signal.SIGALRM, previous)
+        if case.traced:
+            peak = tracemalloc.get_traced_memory()[1]
+            tracemalloc.stop()
     changed = not _same(before, _snapshot(watched))
     if error is None:
-        return "accepted", "no error; state changed" if changed else "no error"
+        if case.unharmed_if_no_error and not changed:
+            return "unharmed", "no error; nothing it must not touch changed", peak, size
+        return "accepted", "no error; state changed" if changed else "no error", peak, size
     if changed:
-        return "partial", f"state changed, then {type(error).__name__}: {error}"
+        return "partial", f"state changed, then {type(error).__name__}: {error}", peak, size
     message = f"{type(error).__name__}: {error}"
-    if any(n.lower() in str(error).lower() for n in case.names):
-        return "named", message
-    return "unnamed", message
+    found = [n.lower() in str(error).lower() for n in case.names]
+    if any(found) if case.any_name else all(found):
+        return "named", message, peak, size
+    return "unnamed", message, peak, size
 
 
 # ---------------------------------------------------------------------------- the cases
@@ -496,7 +539,8 @@ def _gradients_cases() -> list[Case]:
     return cases
 
 
-def all_cases() -> list[Case]:
+def all_cases(scratch: Path) -> list[Case]:
+    """Every case; the checkpoint cases craft their files under ``scratch``."""
     return [
         *_constructor_cases(),
         *_written_later_cases(),
@@ -505,6 +549,7 @@ def all_cases() -> list[Case]:
         *_global_step_cases(),
         *_loss_scale_cases(),
         *_gradients_cases(),
+        *checkpoint_cases(Case, scratch),
     ]
 
 
@@ -515,25 +560,41 @@ def main() -> int:
     args = parser.parse_args()
     torch.manual_seed(0)
     outcomes: dict[str, collections.Counter] = collections.defaultdict(collections.Counter)
+    peaks: dict[str, int] = {}
+    largest = (0, 0, "")  # (input bytes, peak, case)
     rows = []
-    for case in all_cases():
-        outcome, detail = run_case(case, args.timeout)
-        outcomes[case.section][outcome] += 1
-        if args.show == "all" or outcome != "named":
-            rows.append((outcome, case.section, case.name, detail.splitlines()[0][:140] if detail else ""))
-    kinds = ["named", "unnamed", "partial", "accepted", "hang", "setup failed"]
-    print(f"| section | cases | {' | '.join(kinds)} |")
-    print(f"|---|---:|{'---:|' * len(kinds)}")
+    with tempfile.TemporaryDirectory() as scratch:
+        for case in all_cases(Path(scratch)):
+            outcome, detail, peak, size = run_case(case, args.timeout)
+            outcomes[case.section][outcome] += 1
+            if case.traced:
+                peaks[case.section] = max(peaks.get(case.section, 0), peak)
+                largest = max(largest, (size, peak, f"{case.section}: {case.name}"))
+            if args.show == "all" or outcome not in ("named", "unharmed"):
+                rows.append(
+                    (outcome, case.section, case.name, detail.splitlines()[0][:140] if detail else "")
+                )
+    kinds = ["named", "unharmed", "unnamed", "partial", "accepted", "hang", "setup failed"]
+    print(f"| section | cases | {' | '.join(kinds)} | peak MiB |")
+    print(f"|---|---:|{'---:|' * len(kinds)}---:|")
     total: collections.Counter = collections.Counter()
     for section, counter in outcomes.items():
         total.update(counter)
-        print(f"| {section} | {sum(counter.values())} | {' | '.join(str(counter[k]) for k in kinds)} |")
-    print(f"| all | {sum(total.values())} | {' | '.join(str(total[k]) for k in kinds)} |")
+        peak = f"{peaks[section] / 2**20:.1f}" if section in peaks else ""
+        print(
+            f"| {section} | {sum(counter.values())} | {' | '.join(str(counter[k]) for k in kinds)} | {peak} |"
+        )
+    print(f"| all | {sum(total.values())} | {' | '.join(str(total[k]) for k in kinds)} | |")
+    if largest[2]:
+        print(
+            f"\nlargest crafted input: {largest[2]} ({largest[0] / 2**20:.1f} MiB of files), "
+            f"peak {largest[1] / 2**10:.0f} KiB traced"
+        )
     if rows:
         print()
         for outcome, section, name, detail in rows:
             print(f"{outcome:>12}  {section}: {name}  -- {detail}")
-    return 0 if total["named"] == sum(total.values()) else 1
+    return 0 if total["named"] + total["unharmed"] == sum(total.values()) else 1
 
 
 if __name__ == "__main__":

@@ -1101,14 +1101,16 @@ def _with_entries(prefix: Path, out: Path, extra: dict[str, int]) -> Path:
     say): an index entry whose dtype has no torch counterpart.
     """
     from torchgrad_compat.checkpoint import _bundle as b
+    from torchgrad_compat.checkpoint import _table
 
     reader = b.BundleReader(prefix)
-    table = b._read_table(Path(f"{prefix}.index").read_bytes(), "test")
+    with open(f"{prefix}.index", "rb") as index:
+        table = _table.read_table(index, "test")
     for name, enum in extra.items():
-        table.append((name.encode(), b._varint_field(1, enum) + b._length_delimited(2, b"")))
+        table.append((name.encode(), _table.varint_field(1, enum) + _table.length_delimited(2, b"")))
     table.sort(key=lambda kv: kv[0])
     out.mkdir(parents=True)
-    Path(f"{out}/model.ckpt.index").write_bytes(b._build_table(table))
+    Path(f"{out}/model.ckpt.index").write_bytes(_table.build_table(table))
     shutil.copy(reader.data_file(0), f"{out}/model.ckpt.data-00000-of-00001")
     return out / "model.ckpt"
 

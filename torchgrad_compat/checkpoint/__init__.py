@@ -5,6 +5,14 @@
 writes one that ``tf.compat.v1.train.Saver`` restores. ``suggest_var_map``
 drafts the name map from a module.
 
+Checkpoints come from other people and live in shared directories, so a
+load trusts nothing in the files: a malformed index, state file or tensor is
+refused with a ``CorruptCheckpointError`` naming the file and the entry, in
+memory bounded by the files' size, before anything is changed. A save writes
+under fresh temporary names and renames into place last: one that fails
+leaves nothing new, and it refuses up front whatever a load could not read
+back (see :func:`save_tf_checkpoint`).
+
 Example: a TF Dense layer and its Adam state, out and back in.
 
     >>> import tempfile, torch

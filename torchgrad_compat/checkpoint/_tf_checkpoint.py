@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import bisect
-import codecs
+import contextlib
 import copy
 import itertools
 import os
@@ -20,7 +20,8 @@ from torch import Tensor
 from .. import optim as tgo
 from ..amp import DynamicLossScale, LossScaleOptimizer
 from ..optim.wrapper import OptimizerWrapper, bytes_spanned, check_no_shared_elements
-from ._bundle import BundleEntry, BundleReader, CorruptCheckpointError, write_bundle
+from ._bundle import BundleEntry, BundleReader, CorruptCheckpointError, check_writable, write_bundle
+from ._state_file import latest_checkpoint, state_with
 
 __all__ = [
     "CheckpointMismatchError",
@@ -53,8 +54,9 @@ _NON_SLOT = {tgo.AdamOptimizer: ("beta1_power", "beta2_power")}
 _ATTRIBUTE = "/.ATTRIBUTES/VARIABLE_VALUE"
 _OBJECT_GRAPH = "_CHECKPOINTABLE_OBJECT_GRAPH"
 _GLOBAL_STEP_NAMES = {"name": ("global_step",), "object": (f"global_step{_ATTRIBUTE}", f"step{_ATTRIBUTE}")}
-_STATE_FILE = "checkpoint"
 _INTEGER_DTYPES = (torch.int32, torch.int64)
+# The suffixes of a checkpoint's files: a prefix ending in one could not be told from a file.
+_FILE_SUFFIX = re.compile(r"\.(index|data-\d{5}-of-\d{5})$")
 _NUMPY_DTYPES = (
     torch.float16,
     torch.float32,
@@ -199,28 +201,29 @@ class _Names:
 
 # ---------------------------------------------------------------------- arguments
 def _resolve_prefix(path: str | os.PathLike[str]) -> str:
-    """A checkpoint prefix from a prefix, a file of the checkpoint, or a directory with a state file."""
+    """A checkpoint prefix from a prefix, a file of the checkpoint, or a directory with a state file.
+
+    A path that is both a prefix and, less a file's suffix, another prefix is the
+    prefix. The state file's path is taken as written: TF names prefixes there.
+    """
     if not isinstance(path, (str, os.PathLike)):
         raise TypeError(f"path must be a str or os.PathLike, got {type(path).__name__}: {path!r}")
     text = os.fspath(path)
     if os.path.isdir(text):
-        state = Path(text) / _STATE_FILE
-        if not state.is_file():
+        latest = latest_checkpoint(text)
+        prefix = latest if os.path.isabs(latest) else os.path.join(text, latest)
+        if not os.path.exists(f"{prefix}.index"):
             raise FileNotFoundError(
-                f"path {text!r} is a directory without a {_STATE_FILE!r} state file; "
-                "pass a checkpoint prefix such as 'model.ckpt-1000'"
+                f"{os.path.join(text, 'checkpoint')} names {latest!r} as the latest checkpoint, "
+                f"but {prefix}.index does not exist"
             )
-        named = _state_file_paths(state, "model_checkpoint_path")
-        if not named:
-            raise FileNotFoundError(f"{state} names no model_checkpoint_path")
-        latest = named[0]
-        text = latest if os.path.isabs(latest) else os.path.join(text, latest)
-    text = re.sub(r"\.(index|data-\d{5}-of-\d{5})$", "", text)
-    if not os.path.isfile(f"{text}.index"):
-        raise FileNotFoundError(
-            f"no TensorFlow checkpoint at path {os.fspath(path)!r}: {text}.index does not exist"
-        )
-    return text
+        return prefix
+    if os.path.exists(f"{text}.index"):
+        return text
+    stripped = _FILE_SUFFIX.sub("", text)
+    if stripped == text or not os.path.exists(f"{stripped}.index"):
+        raise FileNotFoundError(f"no TensorFlow checkpoint at path {text!r}: {stripped}.index does not exist")
+    return stripped
 
 
 def _parse_var_map(var_map: Any) -> dict[str, tuple[Tensor, tuple[int, ...] | None]]:
@@ -517,7 +520,9 @@ def load_tf_checkpoint(
     optimizer's attribute on the checkpoint, ``"optimizer"`` by default).
 
     Args:
-        path: a checkpoint prefix, or a directory (its latest checkpoint).
+        path: a checkpoint prefix, one of its files, or a directory (its
+            latest checkpoint, as its ``checkpoint`` state file names it; that
+            name is taken as written, never stripped of a file suffix).
         var_map: TF variable name -> tensor, or -> ``(tensor, layout)`` where
             layout is ``"transpose"`` (2-D) or a dim permutation ``perm`` with
             ``tensor = tf_value.permute(perm)``; applied to the slots too. An
@@ -561,9 +566,11 @@ def load_tf_checkpoint(
 
     Raises:
         FileNotFoundError: no checkpoint at ``path``.
-        CorruptCheckpointError: the index is malformed, or (``strict=True``) a
-            tensor asked for is truncated or fails its CRC32C check; its
-            ``problems`` lists every such tensor. Nothing has been changed.
+        CorruptCheckpointError: the index or the state file is malformed, or a
+            file of the checkpoint is not a regular file (a FIFO is refused, not
+            waited on), or (``strict=True``) a tensor asked for is truncated or
+            fails its CRC32C check; its ``problems`` lists every such tensor.
+            The message names the file and the entry. Nothing has been changed.
         CheckpointMismatchError: (``strict=True``) a name is missing from the
             checkpoint, a shape or dtype differs, or a dtype has no torch
             counterpart; its ``problems`` lists every one. Nothing has been changed.
@@ -906,16 +913,38 @@ def save_tf_checkpoint(
             it, for a graph with several optimizers (a GAN's): save the
             generator's variables and optimizer, then the discriminator's with
             ``append=True`` and its suffix or scope. A name written twice is
-            refused, except an equal ``global_step``.
+            refused, except an equal ``global_step``. The checkpoint there is
+            checked whole (sizes, pieces, CRC32C) before any of it is read.
 
     Returns:
         The prefix written.
+
+    Raises:
+        ValueError: what could not be read back is refused before anything is
+            written: a prefix that is empty, a directory, holds a NUL or ends as
+            a checkpoint's file does (``.index``, ``.data-00000-of-00001``); a
+            tensor name that is empty, holds a NUL, is not valid Unicode or is
+            ``_CHECKPOINTABLE_OBJECT_GRAPH``; a meta, sparse or nested tensor; a
+            ``global_step`` outside ``[0, 2**63 - 1]``. Each names the path, the
+            tensor or the argument.
+        CorruptCheckpointError: the directory's ``checkpoint`` state file, or
+            with ``append=True`` the checkpoint at ``path``, cannot be read.
+        OSError: a write failed (a full disk); the error names the file.
+
+    A save is all or nothing. It reads and checks the directory's state file
+    first, then writes the data file, the index and the new state file in full,
+    each under a fresh temporary name in the directory (created exclusively,
+    never through a symlink planted there), syncs them, and only then renames
+    them over their final names: data, index, state file. A save that fails
+    leaves nothing new: no temporary, no checkpoint, the state file as it was.
+    (Should a rename itself fail, the files already renamed are removed again
+    where there were none before; one that replaced a file of a checkpoint
+    saved earlier at the same prefix stays replaced, and the mismatched pair
+    is then refused on load by its CRC32C, never read as values.)
     """
     if not isinstance(path, (str, os.PathLike)):
         raise TypeError(f"path must be a str or os.PathLike, got {type(path).__name__}: {path!r}")
-    prefix = os.fspath(path)
-    if os.path.isdir(prefix):
-        raise ValueError(f"path {prefix!r} is a directory; give a checkpoint prefix such as 'dir/model.ckpt'")
+    prefix = _check_prefix(os.fspath(path))
     parsed = _parse_var_map(var_map)
     opt, loss_scale, _ = _unwrap(optimizer)
     parts: dict[str, Tensor] = {}
@@ -954,6 +983,13 @@ def save_tf_checkpoint(
                 f"the param groups hold different {target.name} ({tensors[target.name].item()!r} vs "
                 f"{value.item()!r}); a TF optimizer has one"
             )
+    for name, value in tensors.items():
+        check_writable(name, value)
+    if _OBJECT_GRAPH in tensors:
+        raise ValueError(
+            f"cannot write tensor {_OBJECT_GRAPH!r}: TF reserves the name for the object graph of "
+            "object-based checkpoints"
+        )
     if step is not None:
         own = tensors.setdefault("global_step", torch.tensor(step, dtype=torch.int64))
         if int(own) != step:
@@ -962,16 +998,51 @@ def save_tf_checkpoint(
                 "TF's AdagradDA reads the global step, so the two must match"
             )
 
+    directory = Path(prefix).parent
+    state, state_text = state_with(directory, Path(prefix).name)
     if append:
         tensors = _appended_to(prefix, tensors)
-    Path(prefix).parent.mkdir(parents=True, exist_ok=True)
-    write_bundle(prefix, tensors)
-    _record_in_state_file(prefix)
+    created = [d for d in (directory, *directory.parents) if not d.exists()]
+    directory.mkdir(parents=True, exist_ok=True)
+    try:
+        write_bundle(prefix, tensors, also={state: state_text})
+    except BaseException:
+        for made in created:  # deepest first; none holds anything this save left
+            with contextlib.suppress(OSError):
+                made.rmdir()
+        raise
+    return prefix
+
+
+def _check_prefix(prefix: str) -> str:
+    """``prefix``, checked to name a checkpoint that a load of it finds again."""
+    name = os.path.basename(prefix)
+    if "\x00" in prefix:
+        raise ValueError(f"path {prefix!r} holds a NUL character")
+    if os.path.isdir(prefix):
+        raise ValueError(f"path {prefix!r} is a directory; give a checkpoint prefix such as 'dir/model.ckpt'")
+    if name in ("", ".", ".."):
+        raise ValueError(f"path {prefix!r} names no file; give a checkpoint prefix such as 'dir/model.ckpt'")
+    if _FILE_SUFFIX.search(name):
+        raise ValueError(
+            f"path {prefix!r} ends as a checkpoint's file does ({_FILE_SUFFIX.search(name)[0]!r}), so "
+            "it would be read as that file; give the prefix, such as 'dir/model.ckpt'"
+        )
+    try:
+        name.encode("utf-8")
+    except UnicodeEncodeError:
+        raise ValueError(
+            f"path {prefix!r}: its file name is not UTF-8, which the directory's state file needs"
+        ) from None
     return prefix
 
 
 def _appended_to(prefix: str, tensors: dict[str, Tensor]) -> dict[str, Tensor]:
-    """The checkpoint at ``prefix`` (all of it, checked) with ``tensors`` added; no name twice."""
+    """The checkpoint at ``prefix`` (all of it, checked) with ``tensors`` added; no name twice.
+
+    Everything is checked before any tensor is read: the names, then every
+    tensor's size, pieces and CRC32C (streamed, nothing kept).
+    """
     if not Path(prefix + ".index").is_file():
         raise FileNotFoundError(f"append=True: no checkpoint at {prefix!r} to add to")
     with BundleReader(prefix) as reader:
@@ -986,21 +1057,22 @@ def _appended_to(prefix: str, tensors: dict[str, Tensor]) -> dict[str, Tensor]:
                 f"append=True: the checkpoint at {prefix!r} holds tensors this package cannot carry "
                 f"over (TF dtypes without a torch counterpart): {unreadable}"
             )
-        held = {name: reader.read(name) for name in reader.entries}
-    for name, value in tensors.items():
-        if name not in held:
-            continue
-        if name == "global_step":
-            if torch.equal(held[name].to(torch.int64), value.cpu()):
-                continue
+        twice = sorted(set(tensors) & set(reader.entries) - {"global_step"})
+        if twice:
             raise ValueError(
-                f"append=True: the checkpoint at {prefix!r} holds global_step {int(held[name])}, "
-                f"this save gives {int(value)}; one TF graph has one global step"
+                f"append=True: the checkpoint at {prefix!r} already holds {twice[0]!r}; give this "
+                "optimizer its TF names (optimizer_name, non_slot_suffix, scope) and each variable once"
             )
-        raise ValueError(
-            f"append=True: the checkpoint at {prefix!r} already holds {name!r}; give this optimizer "
-            "its TF names (optimizer_name, non_slot_suffix, scope) and each variable once"
-        )
+        for name in sorted(reader.entries):
+            reader.verify(name)
+        if "global_step" in tensors and "global_step" in reader.entries:
+            held_step = reader.read("global_step")
+            if held_step.shape != () or int(held_step) != int(tensors["global_step"]):
+                raise ValueError(
+                    f"append=True: the checkpoint at {prefix!r} holds global_step {held_step.tolist()}, "
+                    f"this save gives {int(tensors['global_step'])}; one TF graph has one global step"
+                )
+        held = {name: reader.read(name) for name in reader.entries}
     return {**held, **tensors}
 
 
@@ -1008,36 +1080,18 @@ def _check_step_arg(global_step: Any) -> int | None:
     if global_step is None:
         return None
     if isinstance(global_step, Tensor):
-        if global_step.dim() != 0 or global_step.dtype.is_floating_point or global_step.dtype.is_complex:
+        if global_step.dim() != 0 or global_step.is_meta or not _is_integer(global_step.dtype):
             raise TypeError(f"global_step must be an int or a 0-d integer tensor, got {global_step!r}")
-        return int(global_step)
-    if isinstance(global_step, bool) or not isinstance(global_step, int):
+        global_step = global_step.item()  # (int() of a uint64 past 2**63 - 1 raises, unnamed)
+    elif isinstance(global_step, bool) or not isinstance(global_step, int):
         raise TypeError(f"global_step must be an int or a 0-d integer tensor, got {global_step!r}")
-    if global_step < 0:
-        raise ValueError(f"Invalid global_step value: {global_step!r}; expected a value >= 0")
+    if not 0 <= global_step <= torch.iinfo(torch.int64).max:
+        raise ValueError(
+            f"Invalid global_step value: {global_step!r}; expected a value >= 0 that fits TF's int64 "
+            "global_step"
+        )
     return global_step
 
 
-def _state_file_paths(state: Path, field_name: str) -> list[str]:
-    """The values of ``field_name`` in a ``checkpoint`` state file (a text-format CheckpointState)."""
-    quoted = re.findall(rf'^{field_name}:\s*"((?:[^"\\]|\\.)*)"', state.read_text("utf-8"), re.MULTILINE)
-    # Text format C-escapes the string's bytes (TF writes UTF-8 as is, some writers as \ooo).
-    return [codecs.escape_decode(q.encode("utf-8"))[0].decode("utf-8") for q in quoted]
-
-
-def _quote(path: str) -> str:
-    return '"' + path.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n") + '"'
-
-
-def _record_in_state_file(prefix: str) -> None:
-    """Add the checkpoint to its directory's ``checkpoint`` state file, as the latest."""
-    state = Path(prefix).parent / _STATE_FILE
-    base = Path(prefix).name
-    previous = _state_file_paths(state, "all_model_checkpoint_paths") if state.is_file() else []
-    paths = [p for p in previous if p != base] + [base]
-    text = f"model_checkpoint_path: {_quote(base)}\n" + "".join(
-        f"all_model_checkpoint_paths: {_quote(p)}\n" for p in paths
-    )
-    tmp = state.with_name(_STATE_FILE + ".tmp")
-    tmp.write_text(text, "utf-8")
-    os.replace(tmp, state)
+def _is_integer(dtype: torch.dtype) -> bool:
+    return not (dtype.is_floating_point or dtype.is_complex or dtype == torch.bool)
