@@ -29,6 +29,9 @@ PRIVATE_IN_SCRIPTS = {
     # The table reads the bundle and the non-slot state as the loader does.
     ("tf_checkpoint_table.py", "torchgrad_compat.checkpoint._bundle"),
     ("tf_checkpoint_table.py", "torchgrad_compat.checkpoint._tf_checkpoint"),
+    # The fault catalogue crafts hostile files with the table's own encoder.
+    ("fault_cases_checkpoint.py", "torchgrad_compat.checkpoint"),
+    ("fault_cases_checkpoint.py", "torchgrad_compat.checkpoint._bundle"),
 }
 
 
