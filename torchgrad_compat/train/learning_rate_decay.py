@@ -456,6 +456,10 @@ def noisy_linear_cosine_decay(
     :class:`DecayLR` resumes from its ``state_dict`` with the same values. Given
     the same ``z``, the value is TF's bit for bit.
 
+    With TF's default ``initial_variance=1.0`` the noise is as large as the
+    linear part, so the learning rate is often negative, which TF applies and
+    this package's optimizers refuse (``ValueError`` naming ``learning_rate``).
+
     Args:
         initial_variance: ≥ 0.
         variance_decay: ≥ 0.
