@@ -200,6 +200,13 @@ CASES: tuple[tuple[str, str, dict[str, Any], int], ...] = (
     ),
 )
 
+# Steps where 0.01 * 0.5 ** (step / 37) is subnormal in float32 (steps 4417 to 5303; 4440 to 5327
+# with staircase), which TF flushes to zero: the product, and from step 4662 the power too.
+EXTRA_STEPS = {
+    "exp_37_half": (4420, 4426, 4427, 4500, 4661, 4662, 5000, 5270, 5271, 5300),
+    "exp_37_half_stair": (4420, 4440, 4441, 4500, 4661, 4662, 5000, 5254, 5255, 5300),
+}
+
 # Standard normal numbers recorded in place of TF's random op, one per step.
 NOISE_SEED = 40
 
@@ -277,7 +284,7 @@ def main() -> None:
     args.out.mkdir(parents=True, exist_ok=True)
     cases = []
     for case_id, function, kwargs, period in CASES:
-        steps = steps_for(period)
+        steps = sorted(set(steps_for(period)) | set(EXTRA_STEPS.get(case_id, ())))
         if function == "bert_warmup":
             # BERT casts the step to int32, which wraps past 2**31 - 1 (into its warm-up, negative).
             steps = [s for s in steps if s < 2**31]
