@@ -5,7 +5,8 @@ Run with an interpreter that has TensorFlow (no torch needed)::
     python scripts/make_tf_clip_fixtures.py [--out tests/fixtures/train]
 
 Every case calls one of ``tf.clip_by_global_norm``, ``tf.linalg.global_norm``,
-``tf.clip_by_norm`` or ``tf.clip_by_value`` eagerly on seeded inputs: lists
+``tf.clip_by_norm``, ``tf.clip_by_value`` or ``tf.nn.l2_loss`` (whose sum of
+squares the norms are made of) eagerly on seeded inputs: lists
 that are clipped and lists already inside the norm, all-zero tensors, an inf
 and a NaN (TF turns every clipped tensor into NaN when the global norm is not
 finite), ``None`` entries, ``IndexedSlices`` whose indices repeat, a given
@@ -158,6 +159,8 @@ def build_cases() -> list[tuple[str, str, dict[str, Any], str, list[Any]]]:
         long = [("hashed", size, seed) for seed, size in enumerate(LONG_SIZES)]
         cases += [
             (f"norm_long_{dtype}", "global_norm", {}, dtype, long),
+            # Each tensor's l2_loss alone: Eigen's sum of squares, bit for bit before a square root.
+            (f"l2_loss_long_{dtype}", "l2_loss", {}, dtype, long),
             (
                 f"by_norm_long_{dtype}",
                 "clip_by_norm",
@@ -204,6 +207,8 @@ def run(function: str, kwargs: dict[str, Any], dtype: str, inputs: list[Any]) ->
         return [from_tf(c) for c in clipped] + [norm.numpy()]
     if function == "global_norm":
         return [tf.linalg.global_norm(tensors).numpy()]
+    if function == "l2_loss":
+        return [tf.nn.l2_loss(t).numpy() for t in tensors]
     return [from_tf(getattr(tf, function)(tensors[0], **kwargs))]
 
 

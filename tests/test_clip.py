@@ -55,6 +55,8 @@ def _run(case: dict[str, Any]) -> list[torch.Tensor | None]:
         return [*clipped, norm]
     if function == "global_norm":
         return [train.global_norm(inputs)]
+    if function == "l2_loss":
+        return [train.sum_of_squares(t) * 0.5 for t in inputs]
     return [getattr(train, function)(inputs[0], **kwargs)]
 
 

@@ -221,39 +221,77 @@ def sum_of_squares(t: Tensor) -> Tensor:
     lanes = _PACKET.get(t.dtype)
     if lanes is None:
         return squares.sum()
-    return _eigen_sum(squares, 0, squares.numel(), lanes)
+    return _eigen_sum(squares, lanes)
 
 
-def _eigen_sum(x: Tensor, first: int, count: int, lanes: int) -> Tensor:
-    if count > lanes * _LEAF_PACKETS:
-        split = lanes * -(-(first + -(-count // 2)) // lanes)
-        left = min(split - first, count)
-        total = _eigen_sum(x, first, left, lanes)
-        if left < count:
-            total = total + _eigen_sum(x, split, count - left, lanes)
-        return total
-    return _eigen_leaf(x[first : first + count], lanes)
+def _eigen_sum(x: Tensor, lanes: int) -> Tensor:
+    """Eigen's sum of the 1-D ``x``: its pairwise splits planned on the host, then each level of
+    equal work done at once on the device (the leaves of one length, then the joins of one depth)."""
+    leaves: list[tuple[int, int, int]] = []  # (id, first, count)
+    joins: list[tuple[int, int, int, int]] = []  # (depth, id, left id, right id)
+    root = _plan(0, x.numel(), lanes, 0, leaves, joins)
+    values = x.new_empty(len(leaves) + len(joins))
+    by_count: dict[int, list[tuple[int, int]]] = {}
+    for node, first, count in leaves:
+        by_count.setdefault(count, []).append((node, first))
+    for count, group in by_count.items():
+        nodes, firsts = zip(*group, strict=True)
+        values[list(nodes)] = _eigen_leaves([x[first : first + count] for first in firsts], lanes)
+    for depth in sorted({j[0] for j in joins}, reverse=True):
+        level = [j for j in joins if j[0] == depth]
+        values[[j[1] for j in level]] = values[[j[2] for j in level]] + values[[j[3] for j in level]]
+    return values[root]
 
 
-def _eigen_leaf(x: Tensor, lanes: int) -> Tensor:
-    count, start = x.numel(), 0
-    accumulator = x.new_zeros(lanes)
-    blocks = count // (4 * lanes) * (4 * lanes)
+def _plan(
+    first: int,
+    count: int,
+    lanes: int,
+    depth: int,
+    leaves: list[tuple[int, int, int]],
+    joins: list[tuple[int, int, int, int]],
+) -> int:
+    """Eigen's split of ``[first, first + count)``: halves at a packet boundary, down to 1024 packets."""
+    if count <= lanes * _LEAF_PACKETS:
+        leaves.append((len(leaves) + len(joins), first, count))
+        return leaves[-1][0]
+    split = lanes * -(-(first + -(-count // 2)) // lanes)
+    left = min(split - first, count)
+    left_id = _plan(first, left, lanes, depth + 1, leaves, joins)
+    if left == count:
+        return left_id
+    right_id = _plan(split, count - left, lanes, depth + 1, leaves, joins)
+    joins.append((depth, len(leaves) + len(joins), left_id, right_id))
+    return joins[-1][1]
+
+
+def _eigen_leaves(leaves: list[Tensor], lanes: int) -> Tensor:
+    """Eigen's sum of each of ``leaves`` (of one length, at most 1024 packets): four packet
+    accumulators over blocks of four packets, folded into the first, then packet by packet, the
+    tail element by element, and the tail's sum plus the accumulator's lanes, added as a tree."""
+    count, block = leaves[0].numel(), 4 * lanes
+    blocks = count // block * block
+    accumulator = leaves[0].new_zeros(len(leaves), lanes)
     if blocks:
-        # cumsum adds row after row: the four accumulators' sequential sums, lane by lane.
-        sums = x[:blocks].view(-1, 4, lanes).cumsum(0)[-1]
-        accumulator = sums[0] + sums[1] + sums[2] + sums[3]
-        start = blocks
-    for row in range(start, count // lanes * lanes, lanes):
-        accumulator = accumulator + x[row : row + lanes]
-        start = row + lanes
-    tail = x.new_zeros(())
-    for j in range(start, count):
-        tail = tail + x[j]
-    while accumulator.numel() > 1:  # predux: the upper half onto the lower, down to one lane
-        half = accumulator.numel() // 2
-        accumulator = accumulator[:half] + accumulator[half:]
-    return tail + accumulator[0]
+        # Block-major, so that each of Eigen's sequential additions is one contiguous add over all
+        # leaves (torch's cumsum and sum would not add in this order: cumsum adds float32 in double).
+        by_block = torch.stack([leaf[:blocks].view(-1, block) for leaf in leaves], dim=1)
+        sums = by_block[0].clone()
+        for b in range(1, by_block.shape[0]):
+            sums += by_block[b]
+        sums = sums.view(-1, 4, lanes)
+        accumulator = sums[:, 0] + sums[:, 1] + sums[:, 2] + sums[:, 3]
+    rest = torch.stack([leaf[blocks:] for leaf in leaves])
+    packets = (count - blocks) // lanes * lanes
+    for column in range(0, packets, lanes):
+        accumulator = accumulator + rest[:, column : column + lanes]
+    tail = rest.new_zeros(len(leaves))
+    for column in range(packets, count - blocks):
+        tail = tail + rest[:, column]
+    while accumulator.shape[1] > 1:  # the upper half onto the lower, down to one lane
+        half = accumulator.shape[1] // 2
+        accumulator = accumulator[:, :half] + accumulator[:, half:]
+    return tail + accumulator[:, 0]
 
 
 def _scale(norm: Tensor, clip_norm: float | Tensor) -> Tensor:
