@@ -217,16 +217,17 @@ def sum_of_squares(t: Tensor) -> Tensor:
     order). TF on several threads sums a large tensor in shards, whose order
     depends on the thread count: then the last bits may differ.
     """
-    squares = (t * t).reshape(-1)
     lanes = _PACKET.get(t.dtype)
     if lanes is None:
-        return squares.sum()
-    return _eigen_sum(squares, lanes)
+        return (t * t).sum()
+    # Squared where Eigen's leaves are copied into their block-major order: one pass, one copy.
+    return _eigen_sum(t.reshape(-1), lanes)
 
 
 def _eigen_sum(x: Tensor, lanes: int) -> Tensor:
-    """Eigen's sum of the 1-D ``x``: its pairwise splits planned on the host, then each level of
-    equal work done at once on the device (the leaves of one length, then the joins of one depth)."""
+    """Eigen's sum of the squares of the 1-D ``x``: its pairwise splits planned on the host, then
+    each level of equal work done at once on the device (the leaves of one length, then the joins
+    of one depth)."""
     leaves: list[tuple[int, int, int]] = []  # (id, first, count)
     joins: list[tuple[int, int, int, int]] = []  # (depth, id, left id, right id)
     root = _plan(0, x.numel(), lanes, 0, leaves, joins)
@@ -266,7 +267,7 @@ def _plan(
 
 
 def _eigen_leaves(leaves: list[Tensor], lanes: int) -> Tensor:
-    """Eigen's sum of each of ``leaves`` (of one length, at most 1024 packets): four packet
+    """Eigen's sum of the squares of each of ``leaves`` (of one length, at most 1024 packets): four packet
     accumulators over blocks of four packets, folded into the first, then packet by packet, the
     tail element by element, and the tail's sum plus the accumulator's lanes, added as a tree."""
     count, block = leaves[0].numel(), 4 * lanes
@@ -276,12 +277,14 @@ def _eigen_leaves(leaves: list[Tensor], lanes: int) -> Tensor:
         # Block-major, so that each of Eigen's sequential additions is one contiguous add over all
         # leaves (torch's cumsum and sum would not add in this order: cumsum adds float32 in double).
         by_block = torch.stack([leaf[:blocks].view(-1, block) for leaf in leaves], dim=1)
+        by_block.mul_(by_block)
         sums = by_block[0].clone()
         for b in range(1, by_block.shape[0]):
             sums += by_block[b]
         sums = sums.view(-1, 4, lanes)
         accumulator = sums[:, 0] + sums[:, 1] + sums[:, 2] + sums[:, 3]
     rest = torch.stack([leaf[blocks:] for leaf in leaves])
+    rest.mul_(rest)
     packets = (count - blocks) // lanes * lanes
     for column in range(0, packets, lanes):
         accumulator = accumulator + rest[:, column : column + lanes]
