@@ -159,6 +159,14 @@ def build_cases() -> list[tuple[str, str, dict[str, Any], str, list[Any]]]:
         long = [("hashed", size, seed) for seed, size in enumerate(LONG_SIZES)]
         cases += [
             (f"norm_long_{dtype}", "global_norm", {}, dtype, long),
+            # 40 tensors: their l2_loss halves are summed in Eigen's blocks of four packets too.
+            (
+                f"norm_many_{dtype}",
+                "global_norm",
+                {},
+                dtype,
+                [("hashed", 3 + i % 5, 100 + i) for i in range(40)],
+            ),
             # Each tensor's l2_loss alone: Eigen's sum of squares, bit for bit before a square root.
             (f"l2_loss_long_{dtype}", "l2_loss", {}, dtype, long),
             (

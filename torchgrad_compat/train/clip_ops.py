@@ -17,15 +17,18 @@ left to an option. TensorFlow's rule, reproduced here op by op:
 A sparse COO tensor plays TF's ``IndexedSlices``: its values are clipped (and
 counted in a norm) as they are, duplicate indices uncoalesced, as TF counts the
 rows of an ``IndexedSlices``; its indices are kept. ``None`` entries stay
-``None``. Elementwise each result is TF's to the bit given the same norm; a
-norm sums in torch's order, not Eigen's, so it may differ from TF's in its last
-bits (measured against the fixtures: see ``docs/train.md``). Square roots are
-correctly rounded, as TF's.
+``None``. Elementwise each result is TF's to the bit given the same norm, and a
+norm over whole tensors is TF's to the bit: :func:`sum_of_squares` adds in the
+order of TF's CPU kernels (Eigen's, on one thread), and square roots are
+correctly rounded, as TF's. A norm over some ``axes`` of :func:`clip_by_norm`
+adds in torch's order (1 ulp off TF's for some values, measured in
+``docs/train.md``).
 
-Differences from TensorFlow: a negative, NaN or infinite ``clip_norm`` is
-refused with a ``ValueError`` (TF clamps a negative one to 0 in
-``clip_by_norm`` and computes with the others); ``name`` is accepted and
-unused.
+Differences from TensorFlow: subnormal numbers are kept (TF's kernels flush
+them to zero: its global norm of ``[3e-20, 4e-20]`` in float32 is 0, here
+5e-20); a negative, NaN or infinite ``clip_norm`` is refused with a
+``ValueError`` (TF clamps a negative one to 0 in ``clip_by_norm`` and computes
+with the others); ``name`` is accepted and unused.
 """
 
 from __future__ import annotations
@@ -59,7 +62,10 @@ def global_norm(t_list: Sequence[Tensor | None], name: str | None = None) -> Ten
             f"t_list must hold tensors of one dtype, as TF's global_norm stacks them: got {dtypes}"
         )
     half_squared_norms = torch.stack([sum_of_squares(v) * 0.5 for v in values])
-    return sqrt(half_squared_norms.sum() * 2.0)
+    lanes = _PACKET.get(half_squared_norms.dtype)
+    # TF's reduce_sum of the stacked halves: Eigen's order again (4-lane blocks from 32 tensors).
+    total = half_squared_norms.sum() if lanes is None else _eigen_sum(half_squared_norms, lanes, square=False)
+    return sqrt(total * 2.0)
 
 
 def clip_by_global_norm(
@@ -77,12 +83,12 @@ def clip_by_global_norm(
 
     in ``n``'s dtype: unchanged up to rounding below the threshold, NaN for all
     when ``n`` is inf or NaN. ``None`` entries stay ``None``; a sparse tensor
-    keeps its indices. The new tensors are new: see :func:`clip_by_global_norm_`
-    to clip ``p.grad`` in place.
+    keeps its indices. The results are new tensors: :func:`clip_by_global_norm_`
+    clips ``p.grad`` in place.
 
     Args:
         t_list: tensors (dense or sparse COO) or None.
-        clip_norm: > 0 (0 clips everything to 0) and finite.
+        clip_norm: ≥ 0 and finite (0 clips everything to 0).
         use_norm: the global norm to use, if already computed.
 
     Raises:
@@ -221,13 +227,13 @@ def sum_of_squares(t: Tensor) -> Tensor:
     if lanes is None:
         return (t * t).sum()
     # Squared where Eigen's leaves are copied into their block-major order: one pass, one copy.
-    return _eigen_sum(t.reshape(-1), lanes)
+    return _eigen_sum(t.reshape(-1), lanes, square=True)
 
 
-def _eigen_sum(x: Tensor, lanes: int) -> Tensor:
-    """Eigen's sum of the squares of the 1-D ``x``: its pairwise splits planned on the host, then
-    each level of equal work done at once on the device (the leaves of one length, then the joins
-    of one depth)."""
+def _eigen_sum(x: Tensor, lanes: int, *, square: bool) -> Tensor:
+    """Eigen's sum of the 1-D ``x`` (of its squares with ``square``): its pairwise splits
+    planned on the host, then each level of equal work done at once on the device (the leaves of
+    one length, then the joins of one depth)."""
     leaves: list[tuple[int, int, int]] = []  # (id, first, count)
     joins: list[tuple[int, int, int, int]] = []  # (depth, id, left id, right id)
     root = _plan(0, x.numel(), lanes, 0, leaves, joins)
@@ -237,7 +243,7 @@ def _eigen_sum(x: Tensor, lanes: int) -> Tensor:
         by_count.setdefault(count, []).append((node, first))
     for count, group in by_count.items():
         nodes, firsts = zip(*group, strict=True)
-        values[list(nodes)] = _eigen_leaves([x[first : first + count] for first in firsts], lanes)
+        values[list(nodes)] = _eigen_leaves([x[first : first + count] for first in firsts], lanes, square)
     for depth in sorted({j[0] for j in joins}, reverse=True):
         level = [j for j in joins if j[0] == depth]
         values[[j[1] for j in level]] = values[[j[2] for j in level]] + values[[j[3] for j in level]]
@@ -266,8 +272,8 @@ def _plan(
     return joins[-1][1]
 
 
-def _eigen_leaves(leaves: list[Tensor], lanes: int) -> Tensor:
-    """Eigen's sum of the squares of each of ``leaves`` (of one length, at most 1024 packets): four packet
+def _eigen_leaves(leaves: list[Tensor], lanes: int, square: bool) -> Tensor:
+    """Eigen's sum of (the squares of) each of ``leaves`` (of one length, at most 1024 packets): four packet
     accumulators over blocks of four packets, folded into the first, then packet by packet, the
     tail element by element, and the tail's sum plus the accumulator's lanes, added as a tree."""
     count, block = leaves[0].numel(), 4 * lanes
@@ -277,14 +283,16 @@ def _eigen_leaves(leaves: list[Tensor], lanes: int) -> Tensor:
         # Block-major, so that each of Eigen's sequential additions is one contiguous add over all
         # leaves (torch's cumsum and sum would not add in this order: cumsum adds float32 in double).
         by_block = torch.stack([leaf[:blocks].view(-1, block) for leaf in leaves], dim=1)
-        by_block.mul_(by_block)
+        if square:
+            by_block.mul_(by_block)
         sums = by_block[0].clone()
         for b in range(1, by_block.shape[0]):
             sums += by_block[b]
         sums = sums.view(-1, 4, lanes)
         accumulator = sums[:, 0] + sums[:, 1] + sums[:, 2] + sums[:, 3]
     rest = torch.stack([leaf[blocks:] for leaf in leaves])
-    rest.mul_(rest)
+    if square:
+        rest.mul_(rest)
     packets = (count - blocks) // lanes * lanes
     for column in range(0, packets, lanes):
         accumulator = accumulator + rest[:, column : column + lanes]
