@@ -155,6 +155,12 @@ def test_in_place_scales_a_sparse_gradient_from_an_embedding():
     assert norm.item() != pytest.approx(torch.linalg.vector_norm(summed_rows).item(), rel=1e-3)
 
 
+def test_the_global_norm_is_differentiable():
+    x = torch.randn(9000, dtype=torch.float64, generator=torch.Generator().manual_seed(3)).requires_grad_()
+    train.global_norm([x, None]).backward()
+    torch.testing.assert_close(x.grad, x.detach() / torch.linalg.vector_norm(x.detach()))
+
+
 def test_all_zero_gradients_stay_zero():
     grads = [torch.zeros(3), torch.zeros(2, 2)]
     clipped, norm = train.clip_by_global_norm(grads, 1.0)

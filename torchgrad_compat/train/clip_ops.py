@@ -282,17 +282,13 @@ def _eigen_leaves(leaves: list[Tensor], lanes: int, square: bool) -> Tensor:
     if blocks:
         # Block-major, so that each of Eigen's sequential additions is one contiguous add over all
         # leaves (torch's cumsum and sum would not add in this order: cumsum adds float32 in double).
-        by_block = torch.stack([leaf[:blocks].view(-1, block) for leaf in leaves], dim=1)
-        if square:
-            by_block.mul_(by_block)
+        by_block = _squared(torch.stack([leaf[:blocks].view(-1, block) for leaf in leaves], dim=1), square)
         sums = by_block[0].clone()
         for b in range(1, by_block.shape[0]):
             sums += by_block[b]
         sums = sums.view(-1, 4, lanes)
         accumulator = sums[:, 0] + sums[:, 1] + sums[:, 2] + sums[:, 3]
-    rest = torch.stack([leaf[blocks:] for leaf in leaves])
-    if square:
-        rest.mul_(rest)
+    rest = _squared(torch.stack([leaf[blocks:] for leaf in leaves]), square)
     packets = (count - blocks) // lanes * lanes
     for column in range(0, packets, lanes):
         accumulator = accumulator + rest[:, column : column + lanes]
@@ -303,6 +299,15 @@ def _eigen_leaves(leaves: list[Tensor], lanes: int, square: bool) -> Tensor:
         half = accumulator.shape[1] // 2
         accumulator = accumulator[:, :half] + accumulator[:, half:]
     return tail + accumulator[:, 0]
+
+
+def _squared(copy: Tensor, square: bool) -> Tensor:
+    """``copy * copy`` (or ``copy``), in place unless autograd records it (a norm may be differentiated)."""
+    if not square:
+        return copy
+    if copy.requires_grad and torch.is_grad_enabled():
+        return copy * copy
+    return copy.mul_(copy)
 
 
 def _scale(norm: Tensor, clip_norm: float | Tensor) -> Tensor:
