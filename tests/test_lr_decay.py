@@ -452,6 +452,12 @@ BAD_INPUTS = [
         "Invalid decay_steps value: 1e-50.*rounds to 0.0",
     ),
     ("exponential_decay", (0.1, None, "10", 0.96), TypeError, "decay_steps must be a Python number"),
+    (
+        "exponential_decay",
+        (0.1, None, 10**400, 0.96),
+        ValueError,
+        "Invalid decay_steps value: an int of 1329 bits",
+    ),
     ("exponential_decay", (-0.1, None, 10, 0.96), ValueError, "Invalid learning_rate value: -0.1"),
     ("exponential_decay", (math.nan, None, 10, 0.96), ValueError, "Invalid learning_rate value: nan"),
     ("exponential_decay", (math.inf, None, 10, 0.96), ValueError, "Invalid learning_rate value: inf"),

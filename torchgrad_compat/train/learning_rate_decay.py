@@ -55,10 +55,11 @@ class LearningRateDecay:
     """A decayed learning rate that follows a global step: TF's eager ``*_decay`` callable.
 
     ``decay()`` reads ``global_step`` (a 0-d int32/int64 tensor, read at each
-    call, or a Python int) and returns TF's float32 learning rate at that step
-    as a 0-d float32 tensor; ``decay.at(step)`` returns it as a Python float for
-    any step. The decay functions of this module make these; pass one as an
-    optimizer's ``learning_rate``, or to :class:`DecayLR`.
+    call, which waits for an accelerator's pending work; or a Python int) and
+    returns TF's float32 learning rate at that step as a 0-d float32 tensor;
+    ``decay.at(step)`` returns it as a Python float for any step. The decay
+    functions of this module make these; pass one as an optimizer's
+    ``learning_rate``, or to :class:`DecayLR`.
 
     Example:
         >>> import torch
@@ -608,7 +609,12 @@ def _checked(
         raise TypeError(f"{arg} must be a Python number, got {type(value).__name__}: {value!r}")
     bounds = {"low_inclusive": low_inclusive, "high_inclusive": high_inclusive}
     check_range(arg, value, low, high, **bounds)
-    rounded = f.f32(value)
+    try:
+        rounded = f.f32(float(value))
+    except OverflowError:
+        raise ValueError(
+            f"Invalid {arg} value: an int of {value.bit_length()} bits, too large for a float"
+        ) from None
     above = low <= rounded if low_inclusive else low < rounded
     below = rounded <= high if high_inclusive else rounded < high
     if not (above and below):
