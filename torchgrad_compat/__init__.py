@@ -1,6 +1,6 @@
 """torchgrad_compat: TensorFlow v1's training stack rebuilt natively on PyTorch."""
 
-from . import amp, checkpoint, optim, xla
+from . import amp, checkpoint, optim, train, xla
 from .gradients import AggregationMethod, UnconnectedGradients, gradients, hessian_vector_product, hessians
 
 __all__ = [
@@ -12,6 +12,7 @@ __all__ = [
     "hessian_vector_product",
     "hessians",
     "optim",
+    "train",
     "xla",
 ]
 __version__ = "0.1.0"

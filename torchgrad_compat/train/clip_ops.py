@@ -1,0 +1,356 @@
+"""TensorFlow's gradient clipping (``tf.clip_by_global_norm`` and friends) with TF's arithmetic.
+
+``torch.nn.utils.clip_grad_norm_`` computes another number: per-tensor norms,
+then a norm of those, a ``1e-6`` added to the divisor, and non-finite norms
+left to an option. TensorFlow's rule, reproduced here op by op:
+
+- ``global_norm(ts) = sqrt(2 * sum_i l2_loss(t_i))`` with ``l2_loss(t) = sum(t * t) / 2``;
+- ``clip_by_global_norm`` scales every tensor by
+  ``clip_norm * min(1 / global_norm, 1 / clip_norm)`` plus ``(global_norm - global_norm)``,
+  which is 0 for a finite norm and NaN otherwise: when the global norm is inf
+  or NaN, **every** clipped tensor becomes NaN (a loss scale's skip relies on
+  it);
+- ``clip_by_norm(t, c) = t * c / max(norm(t), c)`` with the norm over ``axes``
+  (0 stays 0);
+- ``clip_by_value(t, lo, hi) = max(min(t, hi), lo)``, NaN kept.
+
+A sparse COO tensor plays TF's ``IndexedSlices``: its values are clipped (and
+counted in a norm) as they are, duplicate indices uncoalesced, as TF counts the
+rows of an ``IndexedSlices``; its indices are kept. ``None`` entries stay
+``None``. Elementwise each result is TF's to the bit given the same norm, and a
+norm over whole tensors is TF's to the bit: :func:`sum_of_squares` adds in the
+order of TF's CPU kernels (Eigen's, on one thread), and square roots are
+correctly rounded, as TF's. A norm over some ``axes`` of :func:`clip_by_norm`
+adds in torch's order (1 ulp off TF's for some values, measured in
+``docs/train.md``).
+
+Differences from TensorFlow: subnormal numbers are kept (TF's kernels flush
+them to zero: its global norm of ``[3e-20, 4e-20]`` in float32 is 0, here
+5e-20); a negative, NaN or infinite ``clip_norm`` is refused with a
+``ValueError`` (TF clamps a negative one to 0 in ``clip_by_norm`` and computes
+with the others); ``name`` is accepted and unused.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from ..optim._base import check_range, sqrt
+
+
+def global_norm(t_list: Sequence[Tensor | None], name: str | None = None) -> Tensor:
+    """``sqrt(sum(t * t))`` over every tensor of ``t_list``, as TF's ``global_norm``.
+
+    Computed as TF does: each tensor's ``l2_loss`` (half its sum of squares), their
+    sum, times 2, the square root. ``None`` entries are skipped; a sparse tensor
+    counts its values.
+
+    Raises:
+        TypeError: ``t_list`` is not a sequence of tensors (or None), or mixes dtypes.
+        ValueError: ``t_list`` holds no tensor.
+    """
+    values = [v for v in _values_of(t_list) if v is not None]
+    if not values:
+        raise ValueError("Invalid t_list value: it holds no tensor (only None entries, or none at all)")
+    dtypes = {v.dtype for v in values}
+    if len(dtypes) > 1:
+        raise TypeError(
+            f"t_list must hold tensors of one dtype, as TF's global_norm stacks them: got {dtypes}"
+        )
+    half_squared_norms = torch.stack([sum_of_squares(v) * 0.5 for v in values])
+    lanes = _PACKET.get(half_squared_norms.dtype)
+    # TF's reduce_sum of the stacked halves: Eigen's order again (4-lane blocks from 32 tensors).
+    total = half_squared_norms.sum() if lanes is None else _eigen_sum(half_squared_norms, lanes, square=False)
+    return sqrt(total * 2.0)
+
+
+def clip_by_global_norm(
+    t_list: Sequence[Tensor | None],
+    clip_norm: float | Tensor,
+    use_norm: float | Tensor | None = None,
+    name: str | None = None,
+) -> tuple[list[Tensor | None], Tensor]:
+    """Scale every tensor so that their global norm is at most ``clip_norm``, as TF's.
+
+    Returns ``(clipped, global_norm)``. With ``n = use_norm`` (default
+    :func:`global_norm` of ``t_list``), each tensor is multiplied by::
+
+        clip_norm * min(1 / n, 1 / clip_norm) + (n - n)
+
+    in ``n``'s dtype: unchanged up to rounding below the threshold, NaN for all
+    when ``n`` is inf or NaN. ``None`` entries stay ``None``; a sparse tensor
+    keeps its indices. The results are new tensors: :func:`clip_by_global_norm_`
+    clips ``p.grad`` in place.
+
+    Args:
+        t_list: tensors (dense or sparse COO) or None.
+        clip_norm: ≥ 0 and finite (0 clips everything to 0).
+        use_norm: the global norm to use, if already computed.
+
+    Raises:
+        ValueError: ``clip_norm`` negative or not finite; ``t_list`` without a tensor.
+        TypeError: ``t_list`` not a sequence of tensors.
+    """
+    values = _values_of(t_list)
+    _check_clip_norm(clip_norm)
+    norm = global_norm(t_list) if use_norm is None else _norm_tensor(use_norm, values)
+    scale = _scale(norm, clip_norm)
+    clipped = [None if v is None else v * scale.to(v.dtype) for v in values]
+    return [_like(t, c) for t, c in zip(t_list, clipped, strict=True)], norm
+
+
+def clip_by_global_norm_(
+    parameters: Tensor | Iterable[Tensor], clip_norm: float | Tensor, use_norm: float | Tensor | None = None
+) -> Tensor:
+    """:func:`clip_by_global_norm` of the parameters' ``.grad``, in place; returns the global norm.
+
+    For a torch training loop, between ``backward()`` and ``step()`` (as
+    ``torch.nn.utils.clip_grad_norm_``): parameters without a gradient are
+    skipped, a sparse gradient's values are scaled where they are. Clip the
+    unscaled gradients: inside a ``LossScaleOptimizer``, after
+    ``get_unscaled_gradients`` or with the scale divided out; a non-finite norm
+    turns every gradient into NaN, so a loss scale still skips the step.
+
+    Raises:
+        ValueError: ``clip_norm`` negative or not finite; no parameter has a gradient.
+    """
+    params = [parameters] if isinstance(parameters, Tensor) else list(parameters)
+    grads = [p.grad for p in params if p.grad is not None]
+    _check_clip_norm(clip_norm)
+    if not grads:
+        raise ValueError("Invalid parameters value: no parameter has a gradient to clip")
+    values = _values_of(grads)
+    norm = global_norm(grads) if use_norm is None else _norm_tensor(use_norm, values)
+    scale = _scale(norm, clip_norm)
+    with torch.no_grad():
+        for g in grads:
+            g.mul_(scale.to(g.dtype))
+    return norm
+
+
+def clip_by_norm(
+    t: Tensor, clip_norm: float | Tensor, axes: int | Sequence[int] | None = None, name: str | None = None
+) -> Tensor:
+    """``t * clip_norm / max(norm(t), clip_norm)``, the norm over ``axes`` (all by default), as TF's.
+
+    The norm is ``sqrt(sum(t * t))`` over ``axes``, kept as 0 where that sum is
+    0 (so an all-zero slice stays 0, without a division by 0). A sparse tensor's
+    values are clipped as a whole (TF's ``IndexedSlices``), its indices kept.
+
+    Raises:
+        ValueError: ``clip_norm`` negative or not finite.
+    """
+    values = _value_of("t", t)
+    _check_clip_norm(clip_norm)
+    if axes is None:
+        l2sum = sum_of_squares(values).reshape([1] * values.dim())
+    else:
+        # A partial reduction: torch's order of addition, not Eigen's (the last bits may differ).
+        dims = [axes] if isinstance(axes, int) else list(axes)
+        l2sum = (values * values).sum(dim=dims, keepdim=True)
+    positive = l2sum > 0
+    l2norm = torch.where(positive, sqrt(torch.where(positive, l2sum, torch.ones_like(l2sum))), l2sum)
+    c = _as_tensor(clip_norm, values)
+    return _like(t, values * c / torch.maximum(l2norm, c))
+
+
+def clip_by_value(
+    t: Tensor, clip_value_min: float | Tensor, clip_value_max: float | Tensor, name: str | None = None
+) -> Tensor:
+    """``max(min(t, clip_value_max), clip_value_min)``, as TF's: NaN stays NaN.
+
+    The bounds (numbers or tensors that broadcast to ``t``) are taken in ``t``'s
+    dtype. A sparse tensor's values are clipped, its indices kept.
+
+    Raises:
+        ValueError: number bounds that are NaN or in the wrong order.
+    """
+    values = _value_of("t", t)
+    low, high = clip_value_min, clip_value_max
+    if not isinstance(low, Tensor) and not isinstance(high, Tensor) and not low <= high:
+        raise ValueError(
+            f"Invalid clip_value_min value: {low!r}; expected a number <= clip_value_max ({high!r})"
+        )
+    clipped = torch.maximum(torch.minimum(values, _as_tensor(high, values)), _as_tensor(low, values))
+    return _like(t, clipped)
+
+
+def _values_of(t_list: Any) -> list[Tensor | None]:
+    """The dense values of each entry of a sequence (see :func:`_value_of`), None kept."""
+    if isinstance(t_list, (str, Tensor)) or not isinstance(t_list, Sequence):
+        raise TypeError(f"t_list must be a sequence of tensors, got {type(t_list).__name__}")
+    return [None if t is None else _value_of(f"t_list[{i}]", t) for i, t in enumerate(t_list)]
+
+
+def _value_of(arg: str, t: Any) -> Tensor:
+    """A dense tensor itself; a sparse COO tensor's values as stored."""
+    if not isinstance(t, Tensor) or not t.is_floating_point():
+        raise TypeError(f"{arg} must be a floating tensor, got {_describe(t)}")
+    if t.layout == torch.sparse_coo:
+        # The rows as given (uncoalesced): TF counts an IndexedSlices' duplicate rows apart.
+        return t._values()
+    if t.layout != torch.strided:
+        raise TypeError(f"{arg} must be dense or sparse COO, got layout {t.layout}")
+    return t
+
+
+def _like(t: Tensor | None, values: Tensor | None) -> Tensor | None:
+    """``values`` in ``t``'s form: a sparse COO tensor gets ``t``'s indices back."""
+    if t is None or values is None or t.layout != torch.sparse_coo:
+        return values
+    return torch.sparse_coo_tensor(t._indices(), values, t.shape, is_coalesced=t.is_coalesced())
+
+
+# Eigen's packet of the x86 TensorFlow wheels (AVX): 8 float32 or 4 float64 lanes.
+_PACKET = {torch.float32: 8, torch.float64: 4}
+# Eigen sums halves of a longer range apart (pairwise), down to this many packets.
+_LEAF_PACKETS = 1024
+
+
+def sum_of_squares(t: Tensor) -> Tensor:
+    """``sum(t * t)`` over all of ``t`` in the order TF's CPU kernels (Eigen, one thread) add.
+
+    Eigen's full reduction: ranges longer than 1024 packets split in halves at a
+    packet boundary, summed apart, then added; a shorter range summed in four
+    packet-wide accumulators over blocks of four packets (then folded into the
+    first), then packet by packet, the tail element by element, and the tail's
+    sum plus the accumulator's lanes (added as a tree). The same additions here,
+    on ``t``'s device: TF's bits for float32 and float64 (other dtypes: torch's
+    order). TF on several threads sums a large tensor in shards, whose order
+    depends on the thread count: then the last bits may differ.
+    """
+    lanes = _PACKET.get(t.dtype)
+    if lanes is None:
+        return (t * t).sum()
+    # Squared where Eigen's leaves are copied into their block-major order: one pass, one copy.
+    return _eigen_sum(t.reshape(-1), lanes, square=True)
+
+
+def _eigen_sum(x: Tensor, lanes: int, *, square: bool) -> Tensor:
+    """Eigen's sum of the 1-D ``x`` (of its squares with ``square``): its pairwise splits
+    planned on the host, then each level of equal work done at once on the device (the leaves of
+    one length, then the joins of one depth)."""
+    leaves: list[tuple[int, int, int]] = []  # (id, first, count)
+    joins: list[tuple[int, int, int, int]] = []  # (depth, id, left id, right id)
+    root = _plan(0, x.numel(), lanes, 0, leaves, joins)
+    values = x.new_empty(len(leaves) + len(joins))
+    by_count: dict[int, list[tuple[int, int]]] = {}
+    for node, first, count in leaves:
+        by_count.setdefault(count, []).append((node, first))
+    for count, group in by_count.items():
+        nodes, firsts = zip(*group, strict=True)
+        values[list(nodes)] = _eigen_leaves([x[first : first + count] for first in firsts], lanes, square)
+    for depth in sorted({j[0] for j in joins}, reverse=True):
+        level = [j for j in joins if j[0] == depth]
+        values[[j[1] for j in level]] = values[[j[2] for j in level]] + values[[j[3] for j in level]]
+    return values[root]
+
+
+def _plan(
+    first: int,
+    count: int,
+    lanes: int,
+    depth: int,
+    leaves: list[tuple[int, int, int]],
+    joins: list[tuple[int, int, int, int]],
+) -> int:
+    """Eigen's split of ``[first, first + count)``: halves at a packet boundary, down to 1024 packets."""
+    if count <= lanes * _LEAF_PACKETS:
+        leaves.append((len(leaves) + len(joins), first, count))
+        return leaves[-1][0]
+    split = lanes * -(-(first + -(-count // 2)) // lanes)
+    left = min(split - first, count)
+    left_id = _plan(first, left, lanes, depth + 1, leaves, joins)
+    if left == count:
+        return left_id
+    right_id = _plan(split, count - left, lanes, depth + 1, leaves, joins)
+    joins.append((depth, len(leaves) + len(joins), left_id, right_id))
+    return joins[-1][1]
+
+
+def _eigen_leaves(leaves: list[Tensor], lanes: int, square: bool) -> Tensor:
+    """Eigen's sum of (the squares of) each of ``leaves`` (of one length, at most 1024 packets): four packet
+    accumulators over blocks of four packets, folded into the first, then packet by packet, the
+    tail element by element, and the tail's sum plus the accumulator's lanes, added as a tree."""
+    count, block = leaves[0].numel(), 4 * lanes
+    blocks = count // block * block
+    accumulator = leaves[0].new_zeros(len(leaves), lanes)
+    if blocks:
+        # Block-major, so that each of Eigen's sequential additions is one contiguous add over all
+        # leaves (torch's cumsum and sum would not add in this order: cumsum adds float32 in double).
+        by_block = _squared(torch.stack([leaf[:blocks].view(-1, block) for leaf in leaves], dim=1), square)
+        sums = by_block[0].clone()
+        for b in range(1, by_block.shape[0]):
+            sums += by_block[b]
+        sums = sums.view(-1, 4, lanes)
+        accumulator = sums[:, 0] + sums[:, 1] + sums[:, 2] + sums[:, 3]
+    rest = _squared(torch.stack([leaf[blocks:] for leaf in leaves]), square)
+    packets = (count - blocks) // lanes * lanes
+    for column in range(0, packets, lanes):
+        accumulator = accumulator + rest[:, column : column + lanes]
+    tail = rest.new_zeros(len(leaves))
+    for column in range(packets, count - blocks):
+        tail = tail + rest[:, column]
+    while accumulator.shape[1] > 1:  # the upper half onto the lower, down to one lane
+        half = accumulator.shape[1] // 2
+        accumulator = accumulator[:, :half] + accumulator[:, half:]
+    return tail + accumulator[:, 0]
+
+
+def _squared(copy: Tensor, square: bool) -> Tensor:
+    """``copy * copy`` (or ``copy``), in place unless autograd records it (a norm may be differentiated)."""
+    if not square:
+        return copy
+    if copy.requires_grad and torch.is_grad_enabled():
+        return copy * copy
+    return copy.mul_(copy)
+
+
+def _scale(norm: Tensor, clip_norm: float | Tensor) -> Tensor:
+    """TF's ``clip_norm * min(1 / n, 1 / clip_norm) + (n - n)`` in ``n``'s dtype, on its device."""
+    c = _as_tensor(clip_norm, norm)
+    return c * torch.minimum(1.0 / norm, 1.0 / c) + (norm - norm)
+
+
+def _as_tensor(value: float | Tensor, like: Tensor) -> Tensor:
+    return torch.as_tensor(value, dtype=like.dtype, device=like.device)
+
+
+def _norm_tensor(use_norm: float | Tensor, values: list[Tensor | None]) -> Tensor:
+    """A given ``use_norm`` as a 0-d tensor (a number in the dtype of the tensors)."""
+    if isinstance(use_norm, Tensor):
+        if use_norm.dim() != 0 or not use_norm.is_floating_point():
+            raise TypeError(f"use_norm must be a 0-d floating tensor or a number, got {_describe(use_norm)}")
+        return use_norm
+    if isinstance(use_norm, bool) or not isinstance(use_norm, (int, float)):
+        raise TypeError(f"use_norm must be a 0-d floating tensor or a number, got {_describe(use_norm)}")
+    like = next((v for v in values if v is not None), None)
+    if like is None:
+        raise ValueError("Invalid t_list value: it holds no tensor (only None entries, or none at all)")
+    return _as_tensor(use_norm, like)
+
+
+def _check_clip_norm(clip_norm: Any) -> None:
+    if isinstance(clip_norm, Tensor):
+        if clip_norm.dim() != 0 or not clip_norm.is_floating_point():
+            raise TypeError(
+                f"clip_norm must be a number or a 0-d floating tensor, got {_describe(clip_norm)}"
+            )
+        if clip_norm.device.type != "cpu":
+            return  # read on the host only where that costs no device synchronisation
+        value = float(clip_norm)
+    elif isinstance(clip_norm, bool) or not isinstance(clip_norm, (int, float)):
+        raise TypeError(f"clip_norm must be a number or a 0-d floating tensor, got {_describe(clip_norm)}")
+    else:
+        value = clip_norm
+    check_range("clip_norm", value, 0.0)
+
+
+def _describe(value: Any) -> str:
+    if isinstance(value, Tensor):
+        return f"a {value.dim()}-d {value.dtype} tensor ({value.layout})"
+    return f"{type(value).__name__}: {value!r}"
