@@ -1,8 +1,8 @@
 """What optimizers that wrap another are built from: ``OptimizerWrapper``, and the checks and
-helpers they share with the optimizers.
+numerics they share with the optimizers.
 
-``LossScaleOptimizer``, ``CrossShardOptimizer``, ``AGNOptimizer`` and the TF checkpoint code use
-this package through this module and the ``Optimizer`` class alone.
+``LossScaleOptimizer``, ``CrossShardOptimizer``, ``AGNOptimizer``, the TF checkpoint code and
+``torchgrad_compat.train`` use this package through this module and the ``Optimizer`` class alone.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from ._fused.run import Unscaling
 from ._group_keys import LOSS_SCALE_KEY_PREFIX
 from ._hyper import check_range, number_tensor, python_float
 from ._memory import bytes_spanned, check_no_shared_elements, is_expanded
-from ._numerics import summed_rows
+from ._numerics import sqrt, summed_rows
 from .optimizer import hooked_update, own_update
 
 __all__ = [
@@ -49,6 +49,7 @@ __all__ = [
     "number_tensor",
     "own_update",
     "python_float",
+    "sqrt",
     "summed_rows",
 ]
 

@@ -39,7 +39,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from ..optim._base import check_range, sqrt
+from ..optim.wrapper import check_range, sqrt
 
 
 def global_norm(t_list: Sequence[Tensor | None], name: str | None = None) -> Tensor:

@@ -41,7 +41,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from ..optim._base import check_range
+from ..optim.wrapper import check_range
 from . import _float32 as f
 
 # TF's ``constant_op.constant(math.pi)``: float32 whatever the learning rate's dtype.
