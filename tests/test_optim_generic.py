@@ -198,6 +198,9 @@ def test_slots(spec: OptimSpec, cid: str):
     group = opt.state_dict()["param_groups"][0]
     assert all(isinstance(group[k], torch.Tensor) and group[k].dim() == 0 for k in spec.non_slot)
     assert set(opt.state_dict()) == {"state", "param_groups"}
+    # The slot order a name-based TF checkpoint numbers slots by names every slot TF makes.
+    assert set(expected) <= set(spec.cls.tf_slot_order)
+    assert set(spec.cls.tf_non_slot_names) <= set(spec.non_slot)
 
 
 # ---------------------------------------------------------------- checkpoints

@@ -31,25 +31,6 @@ __all__ = [
     "save_tf_checkpoint",
 ]
 
-# Every optimizer's slots in TF's creation order: the i-th slot of variable ``v``
-# is ``v/<name>`` (i = 0) or ``v/<name>_<i>`` in a name-based checkpoint, where
-# ``<name>`` is the optimizer's ``name=`` (by default the class name less
-# "Optimizer"). RMSProp's ``mg`` exists only when centered, so its ``momentum``
-# is ``_1`` or ``_2``.
-_SLOT_ORDER: dict[type, tuple[str, ...]] = {
-    tgo.GradientDescentOptimizer: (),
-    tgo.MomentumOptimizer: ("momentum",),
-    tgo.AdagradOptimizer: ("accumulator",),
-    tgo.AdagradDAOptimizer: ("gradient_accumulator", "gradient_squared_accumulator"),
-    tgo.AdamOptimizer: ("m", "v"),
-    tgo.AdadeltaOptimizer: ("accum", "accum_update"),
-    tgo.RMSPropOptimizer: ("rms", "mg", "momentum"),
-    tgo.FtrlOptimizer: ("accum", "linear"),
-    tgo.ProximalAdagradOptimizer: ("accumulator",),
-    tgo.ProximalGradientDescentOptimizer: (),
-}
-# Optimizer-wide (non-slot) variables, saved under these names beside the model's.
-_NON_SLOT = {tgo.AdamOptimizer: ("beta1_power", "beta2_power")}
 # TF2 object-based checkpoints: a variable's value lives under its object path plus this.
 _ATTRIBUTE = "/.ATTRIBUTES/VARIABLE_VALUE"
 _OBJECT_GRAPH = "_CHECKPOINTABLE_OBJECT_GRAPH"
@@ -136,18 +117,24 @@ def _unwrap(optimizer: Any) -> tuple[tgo.Optimizer | None, DynamicLossScale | No
 
 
 def _slot_order(opt: tgo.Optimizer, group: dict[str, Any]) -> tuple[str, ...]:
-    for cls, order in _SLOT_ORDER.items():
-        if isinstance(opt, cls):
-            used = set(opt._slot_names_for(group))
-            return tuple(name for name in order if name in used)
-    raise TypeError(f"no TensorFlow slot names are known for {type(opt).__name__}")
+    """The slots of ``group``'s variables in TF's creation order (the class's ``tf_slot_order``):
+    the i-th is ``v/<name>`` (i = 0) or ``v/<name>_<i>`` in a name-based checkpoint."""
+    _rule_class(opt)
+    used = set(opt._slot_names_for(group))
+    return tuple(name for name in type(opt).tf_slot_order if name in used)
 
 
 def _default_name(opt: tgo.Optimizer) -> str:
-    for cls in _SLOT_ORDER:
-        if isinstance(opt, cls):
-            return cls.__name__.removesuffix("Optimizer")
-    raise TypeError(f"no TensorFlow name is known for {type(opt).__name__}")
+    """TF's default ``name=`` of the optimizer: its class's name less "Optimizer"."""
+    return _rule_class(opt).__name__.removesuffix("Optimizer")
+
+
+def _rule_class(opt: tgo.Optimizer) -> type:
+    """The class of this package that defines ``opt``'s rule (a user's subclass keeps its TF names)."""
+    for cls in type(opt).__mro__:
+        if "tf_slot_order" in vars(cls) and cls is not tgo.Optimizer:
+            return cls
+    raise TypeError(f"no TensorFlow slot names are known for {type(opt).__name__}")
 
 
 # ---------------------------------------------------------------------- names
@@ -435,14 +422,10 @@ def _targets(
                 else:
                     view = _slot_view(key, state[slot], tensor, param)
                     targets.append(_Target(names.slot(key, slot, index), view, perm, of=state[slot]))
-        for cls, keys in _NON_SLOT.items():
-            if isinstance(opt, cls):
-                for key in keys:
-                    for i, group_state in enumerate(_optimizer_wide_state(opt)):
-                        check = _non_slot_check(opt, key, i, group_state[key])
-                        targets.append(
-                            _Target(names.non_slot(key), group_state[key], shared=True, check=check)
-                        )
+        for key in type(opt).tf_non_slot_names:
+            for i, group_state in enumerate(_optimizer_wide_state(opt)):
+                check = _non_slot_check(opt, key, i, group_state[key])
+                targets.append(_Target(names.non_slot(key), group_state[key], shared=True, check=check))
         if isinstance(opt, tgo.AdagradDAOptimizer):
             # TF's AdagradDA reads the global step; this port keeps it as a tensor or its own counter.
             if opt._global_step is not None:
@@ -747,10 +730,10 @@ def _ambiguous_non_slot(reader: BundleReader, opt: tgo.Optimizer, prefix: str) -
     and its bias correction would be silently wrong here.
     """
     ambiguous = {}
-    for cls, keys in _NON_SLOT.items():
-        if isinstance(opt, cls):
-            whose = f"the same state of another {cls.__name__.removesuffix('Optimizer')} optimizer"
-            ambiguous.update(_numbered_twins(reader, [prefix + k for k in keys], whose, "non_slot_suffix"))
+    keys = type(opt).tf_non_slot_names
+    if keys:
+        whose = f"the same state of another {_default_name(opt)} optimizer"
+        ambiguous.update(_numbered_twins(reader, [prefix + k for k in keys], whose, "non_slot_suffix"))
     return ambiguous
 
 

@@ -71,6 +71,7 @@ class AdadeltaOptimizer(Optimizer):
         tensor([ 0.9996, -0.9996])
     """
 
+    tf_slot_order: ClassVar[tuple[str, ...]] = ("accum", "accum_update")
     _hypers = (
         Hyper("lr", "learning_rate", 0.0),
         Hyper("rho", "rho", 0.0, 1.0, high_inclusive=True),

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Iterable
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 from torch import Tensor
@@ -95,6 +95,7 @@ class AdagradDAOptimizer(Optimizer):
     """
 
     _non_slot_ranges = (Hyper("global_step", "global_step", 0.0),)
+    tf_slot_order: ClassVar[tuple[str, ...]] = ("gradient_accumulator", "gradient_squared_accumulator")
     _hypers = (
         Hyper("lr", "learning_rate", 0.0),
         Hyper(

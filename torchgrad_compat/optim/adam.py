@@ -103,6 +103,8 @@ class AdamOptimizer(Optimizer):
         Hyper("beta1_power", "beta1_power", 0.0, 1.0),
         Hyper("beta2_power", "beta2_power", 0.0, 1.0),
     )
+    tf_slot_order: ClassVar[tuple[str, ...]] = ("m", "v")
+    tf_non_slot_names: ClassVar[tuple[str, ...]] = ("beta1_power", "beta2_power")
     _hypers = (
         Hyper("lr", "learning_rate", 0.0),
         Hyper("beta1", "beta1", 0.0, 1.0),

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 from torch import Tensor
@@ -102,6 +102,7 @@ class FtrlOptimizer(Optimizer):
         tensor([ 0.7451, -0.7451])
     """
 
+    tf_slot_order: ClassVar[tuple[str, ...]] = ("accum", "linear")
     _hypers = (
         Hyper("lr", "learning_rate", 0.0, low_inclusive=False),
         Hyper(

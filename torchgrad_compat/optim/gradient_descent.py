@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Iterable
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 from torch import Tensor
@@ -53,6 +53,7 @@ class GradientDescentOptimizer(Optimizer):
         tensor([0., 0.])
     """
 
+    tf_slot_order: ClassVar[tuple[str, ...]] = ()
     _hypers = (Hyper("lr", "learning_rate", 0.0),)
     _coalesce_sparse = False
 

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Iterable
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 from torch import Tensor
@@ -66,6 +66,7 @@ class MomentumOptimizer(Optimizer):
         tensor([ 0.5000, -0.5000])
     """
 
+    tf_slot_order: ClassVar[tuple[str, ...]] = ("momentum",)
     _hypers = (
         Hyper("lr", "learning_rate", 0.0),
         Hyper("momentum", "momentum", 0.0),

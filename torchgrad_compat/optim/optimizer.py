@@ -139,6 +139,12 @@ class Optimizer(torch.optim.Optimizer):
 
     _hypers: ClassVar[tuple[Hyper | Flag, ...]] = ()
     _slots: ClassVar[tuple[str, ...]] = ()
+    # TF's slot names in the order TF creates them (a name-based checkpoint numbers a variable's
+    # slots so: ``v/Adam`` is ``m``, ``v/Adam_1`` is ``v``), and TF's optimizer-wide variables
+    # saved beside the model's; read by torchgrad_compat.checkpoint. A slot a group's options
+    # leave out (RMSProp's ``mg`` when not centered) is skipped in the numbering.
+    tf_slot_order: ClassVar[tuple[str, ...]] = ()
+    tf_non_slot_names: ClassVar[tuple[str, ...]] = ()
     # TF sums duplicate sparse indices before the update; GradientDescent does not.
     _coalesce_sparse: ClassVar[bool] = True
     # Ranges of loaded non-slot state, by key (Adam's beta powers lie in [0, 1)).

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Iterable
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 from torch import Tensor
@@ -87,6 +87,7 @@ class ProximalAdagradOptimizer(Optimizer):
         tensor([ 0.7500, -0.7500], dtype=torch.float64)
     """
 
+    tf_slot_order: ClassVar[tuple[str, ...]] = ("accumulator",)
     _hypers = (
         Hyper("lr", "learning_rate", 0.0),
         Hyper(

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Iterable
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 from torch import Tensor
@@ -76,6 +76,7 @@ class ProximalGradientDescentOptimizer(Optimizer):
         tensor([ 0.2500, -0.2500,  0.0000])
     """
 
+    tf_slot_order: ClassVar[tuple[str, ...]] = ()
     _hypers = (
         Hyper("lr", "learning_rate", 0.0),
         Hyper("l1", "l1_regularization_strength", 0.0),

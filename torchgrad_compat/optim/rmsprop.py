@@ -88,6 +88,7 @@ class RMSPropOptimizer(Optimizer):
         tensor([ 0.8246, -0.8246])
     """
 
+    tf_slot_order: ClassVar[tuple[str, ...]] = ("rms", "mg", "momentum")
     _hypers = (
         Hyper("lr", "learning_rate", 0.0),
         Hyper("decay", "decay", 0.0, 1.0, high_inclusive=True),
