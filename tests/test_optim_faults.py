@@ -11,6 +11,7 @@ import math
 
 import pytest
 import torch
+from optim_specs import SPECS
 
 import torchgrad_compat.optim as tgo
 
@@ -269,3 +270,91 @@ def test_a_loaded_slot_that_overflows_the_parameters_dtype_is_refused():
     state["state"][0]["m"] = torch.full((3,), 0.5, dtype=torch.float64)
     opt.load_state_dict(state)  # a float64 slot that fits loads (cast, as torch does)
     assert opt.state[p]["m"].dtype == torch.float32
+
+
+@pytest.mark.parametrize("spec", SPECS, ids=[spec.name for spec in SPECS])
+def test_torch_argument_names_are_told_the_tf_argument_to_use(spec):
+    """A user swapping torch.optim.X types torch's names; each gets TF's name, or why there is none."""
+    params = [torch.nn.Parameter(torch.ones(2))]
+    config = dict(next(iter(spec.configs.values())))
+    config.pop("learning_rate", None)
+    with pytest.raises(TypeError, match=r"unexpected keyword argument 'lr': .*learning_rate"):
+        spec.cls(params, lr=0.1, **config)
+    with pytest.raises(TypeError, match="'weight_decay': TensorFlow's v1 optimizers apply no weight decay"):
+        spec.make(params, weight_decay=0.01)
+    with pytest.raises(TypeError, match="did you mean 'learning_rate'"):
+        spec.cls(params, learnig_rate=0.1, **config)
+
+
+def test_adams_torch_names_are_told_their_tf_names():
+    params = [torch.nn.Parameter(torch.ones(2))]
+    with pytest.raises(TypeError, match="'betas': pass TensorFlow's beta1= and beta2="):
+        tgo.AdamOptimizer(params, betas=(0.9, 0.99))
+    with pytest.raises(TypeError, match="'eps': its name here is epsilon"):
+        tgo.AdamOptimizer(params, eps=1e-7)
+    with pytest.raises(TypeError, match="'nesterov': its name here is use_nesterov"):
+        tgo.MomentumOptimizer(params, 0.1, 0.9, nesterov=True)
+
+
+def _stepped(opt, params):
+    for p in params:
+        p.grad = torch.ones_like(p)
+    opt.step()
+    return opt
+
+
+@pytest.mark.parametrize(
+    ("source", "target", "key"),
+    [
+        (
+            lambda ps: tgo.ProximalAdagradOptimizer(ps, 0.1, l1_regularization_strength=0.1),
+            tgo.AdagradOptimizer,
+            "l1",
+        ),
+        (
+            lambda ps: tgo.ProximalGradientDescentOptimizer(ps, 0.1, l2_regularization_strength=0.1),
+            tgo.GradientDescentOptimizer,
+            "l2",
+        ),
+        (
+            lambda ps: torch.optim.SGD(ps, 0.1, weight_decay=0.01),
+            tgo.GradientDescentOptimizer,
+            "weight_decay",
+        ),
+    ],
+    ids=["l1-into-adagrad", "l2-into-gradient-descent", "sgd-weight-decay"],
+)
+def test_another_optimizers_hyperparameter_is_refused_at_load_with_nothing_changed(source, target, key):
+    params = [torch.nn.Parameter(torch.ones(3))]
+    saved = _stepped(source(params), params).state_dict()
+    opt = _stepped(target(params, 0.1), params)
+    before = copy.deepcopy(opt.state_dict())
+    with pytest.raises(ValueError, match=rf"loaded param group 0: .*'{key}'"):
+        opt.load_state_dict(saved)
+    after = opt.state_dict()
+    assert after["param_groups"] == before["param_groups"]
+    torch.testing.assert_close(after["state"], before["state"], rtol=0, atol=0)
+    _stepped(opt, params)  # (and the next step runs)
+
+
+def test_a_slot_on_the_meta_device_is_refused_by_name():
+    params = [torch.nn.Parameter(torch.ones(3))]
+    opt = _stepped(tgo.AdamOptimizer(params, 0.1), params)
+    saved = opt.state_dict()
+    saved["state"][0]["m"] = torch.empty(3, device="meta")
+    with pytest.raises(ValueError, match="loaded slot 'm' of parameter 0 is a meta tensor"):
+        opt.load_state_dict(saved)
+
+
+def test_a_loss_scale_that_differs_between_groups_is_refused_at_load():
+    from torchgrad_compat.amp import LossScaleOptimizer
+
+    first, second = [torch.nn.Parameter(torch.ones(2))], [torch.nn.Parameter(torch.ones(2))]
+    opt = LossScaleOptimizer(tgo.AdamOptimizer([{"params": first}, {"params": second}], 0.1))
+    saved = opt.state_dict()
+    saved["param_groups"][1]["loss_scale_current_loss_scale"] = torch.tensor(2.0)
+    with pytest.raises(
+        ValueError, match="param group 1 holds tensor\\(2.\\) for 'loss_scale_current_loss_scale'"
+    ):
+        opt.load_state_dict(saved)
+    assert float(opt.loss_scale()) == 2.0**15

@@ -15,6 +15,8 @@ if TYPE_CHECKING:
 
 import difflib
 import functools
+import inspect
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -212,3 +214,39 @@ def recheck_group_keys(opt: Optimizer, index: int, group: dict[str, Any]) -> Non
     kept = seen.get(index)
     if kept is None or group.keys() != kept[0] or not all(_asks_for_nothing(group[k]) for k in kept[1]):
         seen[index] = (frozenset(group), refuse_keys_it_would_not_read(opt, group))
+
+
+def with_named_arguments(init: Callable[..., None]) -> Callable[..., None]:
+    """``init`` (an optimizer's ``__init__``) refusing a keyword it does not take with an error that
+    says which of its arguments is meant: ``AdamOptimizer(params, lr=1e-3)``, as typed by someone
+    coming from ``torch.optim.Adam``, is told that the argument is ``learning_rate``."""
+    parameters = inspect.signature(init).parameters
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters.values()):
+        return init
+    accepted = [name for name in parameters if name != "self"]
+
+    @functools.wraps(init)
+    def checked(self: Any, *args: Any, **kwargs: Any) -> None:
+        for name in kwargs:
+            if name not in parameters:
+                raise TypeError(_unknown_argument(f"{type(self).__name__}()", name, accepted))
+        init(self, *args, **kwargs)
+
+    return checked
+
+
+def _unknown_argument(call: str, name: str, accepted: list[str]) -> str:
+    said = f"{call} got an unexpected keyword argument {name!r}"
+    if name == "lr" and "learning_rate" in accepted:
+        return f"{said}: its name here is TensorFlow's, learning_rate (kept as group['lr'], as torch's)"
+    if name == "betas" and "beta1" in accepted:
+        return f"{said}: pass TensorFlow's beta1= and beta2= (a param group may give betas=(beta1, beta2))"
+    target = _EQUIVALENT_KEYS.get(name)
+    if target in accepted:
+        return f"{said}: its name here is {target}{_EQUIVALENT_NOTES.get(name, '')}"
+    if name in _FOREIGN_KEYS:
+        return f"{said}: {_FOREIGN_KEYS[name]}"
+    close = difflib.get_close_matches(name, accepted, n=1, cutoff=0.75)
+    if close:
+        return f"{said}; did you mean {close[0]!r}?"
+    return f"{said}; it takes {', '.join(accepted)}"

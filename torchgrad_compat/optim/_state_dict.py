@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from ._group_keys import LOSS_SCALE_KEY_PREFIX
+from ._group_keys import LOSS_SCALE_KEY_PREFIX, refuse_keys_it_would_not_read
 from ._hyper import Hyper, _check_group_values
 from ._memory import _overflows, check_no_shared_elements
 
@@ -107,6 +107,12 @@ def validate_state_dict(opt: Optimizer, state_dict: dict[str, Any]) -> None:
             )
         merged = {**group, **{k: v for k, v in saved.items() if k != "params"}}
         _check_group_values(merged, opt._hypers, {p.dtype for p in group["params"]})
+        try:
+            # Another optimizer's hyperparameter (ProximalAdagrad's l1 loaded into Adagrad, SGD's
+            # weight_decay) would be refused at every later step, after the load had replaced all.
+            refuse_keys_it_would_not_read(opt, merged)
+        except ValueError as error:
+            raise ValueError(f"loaded param group {i}: {error}") from None
         for pid, p in zip(saved["params"], group["params"], strict=True):
             id_to_param[pid] = (p, merged)
     loaded: list[tuple[str, Tensor]] = []
@@ -138,6 +144,11 @@ def validate_state_dict(opt: Optimizer, state_dict: dict[str, Any]) -> None:
                 raise ValueError(
                     f"{cls}: loaded slot {slot!r} of parameter {pid} has shape "
                     f"{tuple(value.shape)}, expected the parameter's shape {tuple(p.shape)}"
+                )
+            if value.is_meta and not p.is_meta:
+                raise ValueError(
+                    f"{cls}: loaded slot {slot!r} of parameter {pid} is a meta tensor, which holds "
+                    "no values to load (was the state saved from a model built on the meta device?)"
                 )
             if value.layout != torch.strided:
                 raise TypeError(

@@ -63,6 +63,7 @@ from ._group_keys import (
     register_optimizer,
     rename_tf_keys,
     tf_renames,
+    with_named_arguments,
 )
 from ._hyper import (
     Flag,
@@ -178,6 +179,8 @@ class Optimizer(torch.optim.Optimizer):
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
         register_optimizer(cls)
+        if "__init__" in vars(cls):
+            cls.__init__ = with_named_arguments(cls.__init__)  # type: ignore[method-assign]
 
     @classmethod
     def _overrides(cls, hook: str) -> bool:

@@ -411,6 +411,17 @@ class OptimizerWrapper(torch.optim.Optimizer):
                 "was it saved from another optimizer?"
             )
         extra = {k: first[k] for k in keys}
+        for i, group in enumerate(groups[1:], start=1):
+            # (Kept in every group so that tools which save only the groups keep it: one state.)
+            if not isinstance(group, dict):
+                continue
+            for key in sorted(keys):
+                if key not in group or not _same_state(group[key], extra[key]):
+                    found = repr(group[key]) if key in group else "nothing"
+                    raise ValueError(
+                        f"{cls}: loaded param group {i} holds {found} for {key!r} where group 0 holds "
+                        f"{extra[key]!r}; this wrapper's state is one, kept alike in every group"
+                    )
         groups = [{k: v for k, v in g.items() if k not in keys} if isinstance(g, dict) else g for g in groups]
         param_keys = self._wrapper_param_keys()
         # Saved parameter ids are ints from state_dict(), or names from DCP's
@@ -441,3 +452,21 @@ class OptimizerWrapper(torch.optim.Optimizer):
 
 def _copy(value: Any) -> Any:
     return value.detach().clone() if isinstance(value, Tensor) else value
+
+
+def _same_state(a: Any, b: Any) -> bool:
+    """Whether two loaded values of a wrapper's state are the same (tensors: same values)."""
+    if isinstance(a, Tensor) or isinstance(b, Tensor):
+        return (
+            isinstance(a, Tensor)
+            and isinstance(b, Tensor)
+            and a.shape == b.shape
+            and a.dtype == b.dtype
+            and not a.is_meta
+            and not b.is_meta
+            and bool(torch.equal(a.cpu(), b.cpu()))
+        )
+    try:
+        return bool(a == b) and type(a) is type(b)
+    except Exception:  # values that cannot be compared are not the same
+        return False
