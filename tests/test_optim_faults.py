@@ -358,3 +358,19 @@ def test_a_loss_scale_that_differs_between_groups_is_refused_at_load():
     ):
         opt.load_state_dict(saved)
     assert float(opt.loss_scale()) == 2.0**15
+
+
+@pytest.mark.parametrize("dtype", [torch.int32, torch.int64])
+@pytest.mark.parametrize("cls", [tgo.GradientDescentOptimizer, tgo.AdagradDAOptimizer])
+def test_a_global_step_at_its_largest_value_is_refused_before_anything_changes(cls, dtype):
+    params = [torch.nn.Parameter(torch.ones(3))]
+    opt = cls(params, 0.1)
+    largest = torch.iinfo(dtype).max
+    global_step = torch.tensor(largest, dtype=dtype)
+    with pytest.raises(ValueError, match=rf"Invalid global_step value: {largest} is the largest"):
+        opt.apply_gradients([(torch.ones(3), params[0])], global_step=global_step)
+    assert int(global_step) == largest
+    assert torch.equal(params[0].detach(), torch.ones(3)) and not opt.state
+    if cls is tgo.AdagradDAOptimizer:
+        with pytest.raises(ValueError, match="is the largest"):
+            tgo.AdagradDAOptimizer(params, 0.1, global_step=global_step)

@@ -195,6 +195,8 @@ _GLOBAL_STEP_DTYPES = (torch.int32, torch.int64)
 
 
 def check_global_step(global_step: Any) -> None:
+    """A global step a step can count with: a 0-d int32/int64 tensor, incrementable in place, below
+    its dtype's largest value (on the CPU, where it is read without a device synchronisation)."""
     if not isinstance(global_step, Tensor) or global_step.dim() != 0 or global_step.dtype.is_floating_point:
         raise TypeError(f"global_step must be a 0-d integer tensor, got {describe(global_step)}")
     if global_step.dtype not in _GLOBAL_STEP_DTYPES:
@@ -209,6 +211,14 @@ def check_global_step(global_step: Any) -> None:
             f"Invalid global_step value: {describe(global_step)} is an inference tensor (made under "
             "torch.inference_mode()), which cannot be incremented in place outside inference mode"
         )
+    if global_step.device.type == "cpu":
+        # Read where that costs no device synchronisation (an accelerator's count is not read).
+        largest = torch.iinfo(global_step.dtype).max
+        if int(global_step) >= largest:
+            raise ValueError(
+                f"Invalid global_step value: {int(global_step)} is the largest {global_step.dtype}; "
+                f"the step would wrap it around to {torch.iinfo(global_step.dtype).min}"
+            )
 
 
 def describe(v: Any) -> str:
