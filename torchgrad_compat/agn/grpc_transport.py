@@ -37,7 +37,7 @@ from typing import TYPE_CHECKING, Any
 import grpc
 import torch
 
-from .server import AGNError, AGNServerUnavailableError
+from .errors import AGNError, AGNServerUnavailableError
 from .transport import _ANSWER_ERRORS, ServerEndpoint, ServerHost, _error_answer, _handle, check_seconds
 
 if TYPE_CHECKING:

@@ -34,7 +34,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.rpc as rpc
 
-from .server import (
+from .errors import (
     AGNError,
     AGNNameInUseError,
     AGNServerFullError,
