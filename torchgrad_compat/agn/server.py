@@ -254,6 +254,13 @@ class ParameterServer:
         with self._lock:
             return self._center_copy(), self.global_step
 
+    def holds(self, worker: str, session: Any) -> bool:
+        """Whether ``session`` is the current session of ``worker`` and it runs (a transport's liveness
+        check: only the process that joined as ``worker`` can keep it alive)."""
+        with self._lock:
+            record = self.workers.get(worker)
+            return record is not None and record.state == "running" and self._holds(record, session)
+
     def mark_dead(self, worker: str) -> None:
         """A transport found ``worker`` gone before ``finish()``, or before it joined: stop waiting for it."""
         with self._lock:
