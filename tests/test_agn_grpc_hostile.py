@@ -30,8 +30,8 @@ grpc = pytest.importorskip("grpc")
 import _agn_grpc_server as grpc_server  # noqa: E402
 
 import torchgrad_compat.optim as tgo  # noqa: E402
-from torchgrad_compat.agn import AGNOptimizer  # noqa: E402
-from torchgrad_compat.agn.grpc_transport import GrpcEndpoint  # noqa: E402
+from torchgrad_compat.agn import AGNOptimizer, ParameterServer  # noqa: E402
+from torchgrad_compat.agn.grpc_transport import GrpcEndpoint, GrpcServerHost  # noqa: E402
 
 TOKEN = grpc_server.TOKEN
 METHOD = "/torchgrad_compat.agn.AGN/Request"
@@ -190,6 +190,29 @@ def test_stalled_unauthenticated_calls_are_refused_at_once_and_hold_nothing():
             for s in stalled:
                 s.close()
         assert _result(results, 20)["center"] == [[-2.0] * 3]
+
+
+def test_connections_that_never_make_a_call_are_closed():
+    """24 each: nothing sent, the preface alone, half a header block; closed after the bounds."""
+    host = GrpcServerHost("127.0.0.1:0", TOKEN, handshake_timeout=1.0, idle_timeout=2.0)
+    server = ParameterServer([torch.zeros(3)], lambda ps: tgo.GradientDescentOptimizer(ps, 1.0), 1)
+    host.start(server)
+    address = f"127.0.0.1:{host.port}"
+    sockets: list[socket.socket] = []
+    try:
+        half = _call_headers(address, None)
+        for _ in range(24):
+            sockets.append(socket.create_connection(("127.0.0.1", host.port), timeout=5))
+            sockets.append(_connect(address))
+            sockets.append(_connect(address))
+            sockets[-1].sendall(_frame(_HEADERS, 0, 1, half[: len(half) // 2]))
+        start = time.monotonic()
+        open_ = [i % 3 for i, s in enumerate(sockets) if not _stream_ended(s, start + 10 - time.monotonic())]
+        assert not open_, f"still open after 10 s: {len(open_)} (kinds {sorted(set(open_))})"
+    finally:
+        for s in sockets:
+            s.close()
+        host.stop(server)
 
 
 def _peak_rss(pid: int) -> int:

@@ -15,10 +15,13 @@ job; any other is a stranger and can make the server hold very little.
   that declares a message and then stalls holds no thread. Bytes that are not
   gRPC (HTTP/2) are dropped by gRPC itself.
 * What a stranger's connection can hold is bounded: at most
-  ``MAX_STREAMS_PER_CONNECTION`` calls at once per connection, a connection
+  ``MAX_STREAMS_PER_CONNECTION`` calls at once per connection; a connection
   that has not finished its HTTP/2 (or TLS) handshake within
-  ``HANDSHAKE_TIMEOUT_S`` seconds is closed, and so is one without a call for
-  ``IDLE_CONNECTION_S`` seconds (a worker's channel reconnects by itself).
+  ``handshake_timeout`` seconds (default 10) is closed, and so is one without
+  a call for ``idle_timeout`` seconds (default 30; a worker's channel
+  reconnects by itself). The number of connections is not capped: on a shared
+  host another user can still spend the server's CPU or file descriptors; the
+  token keeps the job's data, threads and memory to the job.
 * Payloads are decoded with ``torch.load(weights_only=True)``: tensors, numbers,
   strings, dtypes and plain containers, never code. A payload that does not
   decode, or is not a request, gets ``INVALID_ARGUMENT``. An authenticated
@@ -45,6 +48,7 @@ from __future__ import annotations
 
 import hmac
 import io
+import math
 import threading
 import time
 from concurrent import futures
@@ -67,8 +71,6 @@ _HEARTBEAT = "heartbeat"  # handled by the host, never reaches the parameter ser
 _WORKER_REQUESTS = ("join", "push", "finish")  # answered only for the session of a joined worker
 
 MAX_STREAMS_PER_CONNECTION = 32  # a worker's channel carries two at most (a request and a heartbeat)
-HANDSHAKE_TIMEOUT_S = 10.0
-IDLE_CONNECTION_S = 60.0
 
 
 def _encode(value: Any) -> bytes:
@@ -88,12 +90,12 @@ def _channel_options(max_message_bytes: int) -> list[tuple[str, int]]:
     ]
 
 
-def _server_options(max_message_bytes: int) -> list[tuple[str, int]]:
+def _server_options(max_message_bytes: int, handshake_timeout: float, idle_timeout: float) -> list[Any]:
     return [
         *_channel_options(max_message_bytes),
         ("grpc.max_concurrent_streams", MAX_STREAMS_PER_CONNECTION),
-        ("grpc.server_handshake_timeout_ms", int(HANDSHAKE_TIMEOUT_S * 1000)),
-        ("grpc.max_connection_idle_ms", int(IDLE_CONNECTION_S * 1000)),
+        ("grpc.server_handshake_timeout_ms", math.ceil(handshake_timeout * 1000)),
+        ("grpc.max_connection_idle_ms", math.ceil(idle_timeout * 1000)),
     ]
 
 
@@ -140,6 +142,10 @@ class GrpcServerHost(ServerHost):
         threads: authenticated requests served at once (a refused call holds one for
             no longer than it takes to refuse it).
         linger: seconds :meth:`stop` lets the last answers leave.
+        handshake_timeout: seconds a new connection has to complete its HTTP/2
+            (and TLS) handshake before it is closed.
+        idle_timeout: seconds a connection may go without a call before it is
+            closed (a worker's channel reconnects at its next request).
     """
 
     def __init__(
@@ -153,11 +159,15 @@ class GrpcServerHost(ServerHost):
         max_message_bytes: int = 1 << 30,
         threads: int = 16,
         linger: float = 0.5,
+        handshake_timeout: float = 10.0,
+        idle_timeout: float = 30.0,
     ):
         if (certificate_chain is None) != (private_key is None):
             raise ValueError("certificate_chain and private_key go together (TLS), got only one of them")
         if not (isinstance(lease, (int, float)) and lease > 0):
             raise ValueError(f"Invalid lease value: {lease!r}; expected a number of seconds > 0")
+        check_seconds("handshake_timeout", handshake_timeout)
+        check_seconds("idle_timeout", idle_timeout)
         self._address = address
         self._token = _check_token(token)
         self._credentials = (
@@ -169,6 +179,7 @@ class GrpcServerHost(ServerHost):
         self._max_message_bytes = max_message_bytes
         self._threads = threads
         self._linger = linger
+        self._bounds = (handshake_timeout, idle_timeout)
         self._grpc: grpc.Server | None = None
         self._server: ParameterServer | None = None
         self._name = "ps"
@@ -213,7 +224,7 @@ class GrpcServerHost(ServerHost):
         server = grpc.server(
             futures.ThreadPoolExecutor(max_workers=self._threads),
             interceptors=[_TokenCheck(self._token)],
-            options=_server_options(self._max_message_bytes),
+            options=_server_options(self._max_message_bytes, *self._bounds),
         )
         handler = grpc.unary_unary_rpc_method_handler(self._request)
         service, method = _METHOD.strip("/").split("/")
