@@ -46,6 +46,9 @@ def run_parameter_server(
     concurrently; see :class:`ParameterServer` for the guarantees. A worker that
     dies is reported with :class:`AGNWorkerLostWarning`; one the transport
     knows of (an RPC group member) that dies before it joins counts as dead.
+    Over gRPC only a worker that joined counts (a client with the token that
+    only reads or never joins does not), so ``join_timeout`` bounds the wait
+    for a worker that dies before it joins.
 
     A server that is torn down while serving (``SIGTERM``, as torchrun sends
     when another process of the job fails; ``Ctrl-C``; an error) writes a
@@ -71,8 +74,8 @@ def run_parameter_server(
         refuse_for: seconds a server that could not start keeps telling workers why.
         join_timeout: seconds after which the server waits no longer for
             workers that have not joined (None: as long as it takes; over RPC a
-            worker that dies is noticed anyway, over gRPC one that never made
-            contact is not). They are counted in the ``AGNWorkerLostWarning``.
+            worker that dies is noticed anyway, over gRPC one that never joined
+            is not). They are counted in the ``AGNWorkerLostWarning``.
 
     Raises:
         ValueError: ``num_worker < 1``, an empty ``params``, or ``name`` is not
