@@ -15,13 +15,16 @@ job; any other is a stranger and can make the server hold very little.
   that declares a message and then stalls holds no thread. Bytes that are not
   gRPC (HTTP/2) are dropped by gRPC itself.
 * What a stranger's connection can hold is bounded: at most
-  ``MAX_STREAMS_PER_CONNECTION`` calls at once per connection; a connection
-  that has not finished its HTTP/2 (or TLS) handshake within
-  ``handshake_timeout`` seconds (default 10) is closed, and so is one without
-  a call for ``idle_timeout`` seconds (default 30; a worker's channel
-  reconnects by itself). The number of connections is not capped: on a shared
-  host another user can still spend the server's CPU or file descriptors; the
-  token keeps the job's data, threads and memory to the job.
+  ``MAX_STREAMS_PER_CONNECTION`` calls at once, each allowed to send
+  ``STREAM_WINDOW_BYTES`` (64 KiB) of its message before its token is
+  accepted (HTTP/2 flow control: a peer that sends more loses its
+  connection); a connection that has not finished its HTTP/2 (or TLS)
+  handshake within ``handshake_timeout`` seconds (default 10) is closed, and
+  so is one without a call for ``idle_timeout`` seconds (default 30; a
+  worker's channel reconnects by itself). The number of connections is not
+  capped: on a shared host another user can still spend the server's CPU or
+  file descriptors; the token keeps the job's data, threads and memory to
+  the job.
 * Payloads are decoded with ``torch.load(weights_only=True)``: tensors, numbers,
   strings, dtypes and plain containers, never code. A payload that does not
   decode, or is not a request, gets ``INVALID_ARGUMENT``. An authenticated
@@ -71,6 +74,7 @@ _HEARTBEAT = "heartbeat"  # handled by the host, never reaches the parameter ser
 _WORKER_REQUESTS = ("join", "push", "finish")  # answered only for the session of a joined worker
 
 MAX_STREAMS_PER_CONNECTION = 32  # a worker's channel carries two at most (a request and a heartbeat)
+STREAM_WINDOW_BYTES = 1 << 16  # what a connection may send of a call's message before it is accepted
 
 
 def _encode(value: Any) -> bytes:
@@ -94,6 +98,10 @@ def _server_options(max_message_bytes: int, handshake_timeout: float, idle_timeo
     return [
         *_channel_options(max_message_bytes),
         ("grpc.max_concurrent_streams", MAX_STREAMS_PER_CONNECTION),
+        # A call's flow-control window opens past 64 KiB only once its handler asks for the message,
+        # which a refused call never does; with BDP probing gRPC would offer 4 MiB to every stream.
+        ("grpc.http2.lookahead_bytes", STREAM_WINDOW_BYTES),
+        ("grpc.http2.bdp_probe", 0),
         ("grpc.server_handshake_timeout_ms", math.ceil(handshake_timeout * 1000)),
         ("grpc.max_connection_idle_ms", math.ceil(idle_timeout * 1000)),
     ]
