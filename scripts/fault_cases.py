@@ -25,8 +25,9 @@ under it.
 Run: ``python scripts/fault_cases.py`` (``--show all`` lists every case, not
 only the failures). The exit status is 1 when any case is neither ``named``
 nor ``unharmed``. The distributed faults (a rank's mistake under
-CrossShardOptimizer, a frozen peer, AGN's transports and checkpoints) need
-real processes and are covered by the test suite instead.
+CrossShardOptimizer, a frozen peer, AGN's RPC transport and checkpoints) need
+real processes and are covered by the test suite instead; the gRPC families
+run a real AGN server on 127.0.0.1 against hostile clients (``grpcio`` needed).
 """
 
 from __future__ import annotations
@@ -46,6 +47,7 @@ from typing import Any
 
 import torch
 from fault_cases_checkpoint import checkpoint_cases  # (this script's folder is on sys.path)
+from fault_cases_grpc import grpc_cases
 from torch import Tensor
 
 import torchgrad_compat.optim as optim
@@ -550,6 +552,7 @@ def all_cases(scratch: Path) -> list[Case]:
         *_loss_scale_cases(),
         *_gradients_cases(),
         *checkpoint_cases(Case, scratch),
+        *grpc_cases(Case),
     ]
 
 

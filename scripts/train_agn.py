@@ -143,6 +143,11 @@ def main() -> None:
         token = os.environ.get("AGN_TOKEN")
         if not token:
             parser.error("--transport grpc needs the shared secret in the environment variable AGN_TOKEN")
+        if "RANK" not in os.environ or "WORLD_SIZE" not in os.environ:
+            parser.error(
+                "--transport grpc reads RANK and WORLD_SIZE, which torchrun sets: launch it with "
+                "`torchrun --nproc-per-node 3 scripts/train_agn.py --transport grpc`"
+            )
         run_over_grpc(args, token)
         return
 

@@ -21,6 +21,10 @@ def encode(value: Any) -> bytes:
     return buffer.getvalue()
 
 
+def decode(data: bytes) -> Any:
+    return torch.load(io.BytesIO(data), weights_only=True)
+
+
 class _FailsAt(tgo.GradientDescentOptimizer):
     """Gradient descent (lr 1) whose update ``at`` raises instead (0: never)."""
 
@@ -53,6 +57,7 @@ def serve(address: str, num_worker: int, options: dict[str, Any], results: Any) 
                 num_worker,
                 liveness_interval=0.2,
                 transport=host,
+                join_timeout=options.get("join_timeout"),
             )
         lost = [str(w.message) for w in caught if issubclass(w.category, AGNWorkerLostWarning)]
         results.put({"center": [c.tolist() for c in center], "lost": lost, "error": None})

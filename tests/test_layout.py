@@ -22,7 +22,7 @@ LONGER = {
     "torchgrad_compat.checkpoint._tf_checkpoint": 1100,  # the reader's split from the state mapping
     "torchgrad_compat.xla._backend": 815,  # the torch_xla backend apart from torch.distributed's
 }
-CYCLES = {("torchgrad_compat.agn.server", "torchgrad_compat.agn.transport")}  # a module both need
+CYCLES: set[tuple[str, ...]] = set()
 PRIVATE_IN_SCRIPTS = {
     # A read-only gradient check run through the fused engine, measured beside the loss scale's.
     ("bench_amp.py", "torchgrad_compat.optim._fused.run"),

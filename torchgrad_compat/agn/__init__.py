@@ -2,11 +2,12 @@
 
 Workers wrap their optimizer in :class:`AGNOptimizer`; one process runs
 :func:`run_parameter_server`. The math is in ``optimizer.py`` and ``server.py``,
-the transport (``torch.distributed.rpc`` by default) in ``transport.py``.
+the transport (``torch.distributed.rpc`` by default) in ``transport.py``, what
+joins the two (``run_parameter_server``) in ``run.py`` and the errors in
+``errors.py``.
 """
 
-from .optimizer import AGNOptimizer
-from .server import (
+from .errors import (
     AGNCheckpointWarning,
     AGNError,
     AGNNameInUseError,
@@ -14,9 +15,10 @@ from .server import (
     AGNServerNotReadyError,
     AGNServerUnavailableError,
     AGNWorkerLostWarning,
-    ParameterServer,
-    run_parameter_server,
 )
+from .optimizer import AGNOptimizer
+from .run import run_parameter_server
+from .server import ParameterServer
 from .transport import (
     LocalEndpoint,
     LocalServerHost,

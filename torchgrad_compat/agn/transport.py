@@ -34,7 +34,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.rpc as rpc
 
-from .server import (
+from .errors import (
     AGNError,
     AGNNameInUseError,
     AGNServerFullError,
@@ -412,9 +412,13 @@ def init_rpc_from_env(
     """Initialise RPC from torchrun's environment; this process's name (``server_name`` or ``worker<rank>``).
 
     Reads ``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR`` (default ``127.0.0.1``) and
-    ``MASTER_PORT``. The rendezvous must complete within ``startup_timeout``
-    seconds (every process started and reachable), else
-    :class:`AGNServerUnavailableError` names the address.
+    ``MASTER_PORT``, which ``torchrun`` sets for every process it starts
+    (``torchrun --nproc-per-node 3 script.py``: rank 0 serves, ranks 1 and 2
+    train); without them it raises ``RuntimeError`` saying so, and a value that
+    is not an int in range raises ``ValueError`` naming the variable. The
+    rendezvous must complete within ``startup_timeout`` seconds (every process
+    started and reachable), else :class:`AGNServerUnavailableError` names the
+    address.
 
     Nothing listens on more than the configured address: rank 0 hosts the
     rendezvous store on ``MASTER_ADDR`` only (not on every interface, as
@@ -426,10 +430,19 @@ def init_rpc_from_env(
     """
     check_seconds("startup_timeout", startup_timeout)
     check_seconds("rpc_timeout", rpc_timeout)
-    rank = int(os.environ["RANK"])
-    world_size = int(os.environ["WORLD_SIZE"])
+    missing = [v for v in ("RANK", "WORLD_SIZE", "MASTER_PORT") if v not in os.environ]
+    if missing:
+        raise RuntimeError(
+            f"init_rpc_from_env reads RANK, WORLD_SIZE and MASTER_PORT from the environment, and "
+            f"{' and '.join(missing)} {'is' if len(missing) == 1 else 'are'} not set: launch every process "
+            "with torchrun, which sets them (e.g. `torchrun --nproc-per-node 3 script.py`: rank 0 "
+            "serves, the others train), or set RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT for each "
+            "process yourself"
+        )
+    world_size = _env_int("WORLD_SIZE", 1, 1 << 31)
+    rank = _env_int("RANK", 0, world_size)
+    port = _env_int("MASTER_PORT", 1, 1 << 16)
     addr = os.environ.get("MASTER_ADDR", "127.0.0.1")
-    port = int(os.environ["MASTER_PORT"])
     interface = _interface_towards(addr, port)
     if interface is not None:
         os.environ.setdefault("TP_SOCKET_IFNAME", interface)
@@ -443,6 +456,20 @@ def init_rpc_from_env(
     finally:
         _STORES.pop(key, None)
     return name
+
+
+def _env_int(name: str, low: int, high: int) -> int:
+    """The environment variable ``name`` as an int in ``[low, high)``."""
+    value = os.environ[name]
+    try:
+        number = int(value)
+    except ValueError:
+        number = None
+    if number is None or not low <= number < high:
+        raise ValueError(
+            f"Invalid {name} value: {value!r} (from the environment); expected an int in [{low}, {high})"
+        )
+    return number
 
 
 # Stores made by init_rpc_from_env, handed to rpc.init_rpc through torch's rendezvous registry.
