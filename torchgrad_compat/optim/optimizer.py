@@ -40,7 +40,7 @@ import torch
 from torch import Tensor
 from torch.distributed.tensor import DTensor
 
-from .._torch_internals import called_from_dcp_init, default_foreach, mark_stepped, sparse_rows, sparse_values
+from .._torch_internals import called_from_dcp_init, default_foreach, sparse_rows, sparse_values
 from ._census import kept_census
 from ._checks import (
     GRAD_OF,
@@ -53,7 +53,6 @@ from ._checks import (
     describe,
     grads_fit,
 )
-from ._compute_gradients import GATE_GRAPH, GATE_NONE, GATE_OP, compute_gradients, trainable
 from ._fused.graphs import _apart_from_gradients
 from ._fused.run import FusedStep, Unscaling
 from ._group_keys import (
@@ -82,29 +81,10 @@ from ._numerics import _HALF_DTYPES, _VALID_DTYPES, _compute_dtype, _working_pre
 from ._replay import _StepReplay
 from ._slots import check_slots_follow_params, create_slots
 from ._state_dict import _merge_old_non_slot, check_live_non_slot, check_loaded_non_slot, validate_state_dict
+from ._tf_api import GATE_GRAPH, GATE_NONE, GATE_OP, compute_gradients, hooked_update, trainable
 
 if TYPE_CHECKING:
     from ._census import SameMeta
-
-
-def hooked_update(apply_gradients: Callable[..., None]) -> Callable[..., None]:
-    """Wrap an ``apply_gradients`` as torch wraps ``step``: step pre/post hooks around it.
-
-    ``register_step_pre_hook``/``register_step_post_hook`` (and the global ones)
-    then fire on every update path: ``step``, ``apply_gradients`` and
-    ``minimize`` (through ``apply_gradients``), once per update. The hooks get
-    ``apply_gradients``'s arguments. The call also marks the optimizer as
-    stepped for torch's LR schedulers, which otherwise warn that the scheduler
-    stepped first.
-    """
-    hooked = torch.optim.Optimizer.profile_hook_step(apply_gradients)
-
-    @functools.wraps(apply_gradients)
-    def wrapper(self: torch.optim.Optimizer, *args: Any, **kwargs: Any) -> None:
-        mark_stepped(self)  # (read by torch.optim.lr_scheduler)
-        return hooked(self, *args, **kwargs)
-
-    return wrapper
 
 
 class Optimizer(torch.optim.Optimizer):

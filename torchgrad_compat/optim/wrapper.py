@@ -17,13 +17,13 @@ from torch import Tensor
 from .._torch_internals import called_from_dcp_init, no_step_pre_hooks
 from ._census import SameMeta, kept_census
 from ._checks import DEVICE_OF, DTYPE_OF, GRAD_OF, check_global_step, check_grad, describe, grads_fit
-from ._compute_gradients import compute_gradients, trainable
 from ._fused.run import Unscaling
 from ._group_keys import LOSS_SCALE_KEY_PREFIX
 from ._hyper import check_range, number_tensor, python_float
 from ._memory import bytes_spanned, check_no_shared_elements, is_expanded
 from ._numerics import sqrt, summed_rows
-from .optimizer import hooked_update, own_update
+from ._tf_api import compute_gradients, hooked_update, trainable
+from .optimizer import own_update
 
 __all__ = [
     "DEVICE_OF",

@@ -1,8 +1,10 @@
-"""TF's ``Optimizer.compute_gradients``: gradients of a loss for a list of variables, as
-``(grad, var)`` pairs, on ``torch.autograd`` (shared by the optimizers and their wrappers)."""
+"""TF's API beside torch's: ``compute_gradients`` (gradients of a loss for a list of variables,
+as ``(grad, var)`` pairs, on ``torch.autograd``) and ``apply_gradients`` as torch's hooks see a
+``step`` (shared by the optimizers and their wrappers)."""
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -10,6 +12,7 @@ import torch
 from torch import Tensor
 from torch.distributed.tensor import DTensor
 
+from .._torch_internals import mark_stepped
 from ..gradients import check_aggregation_method, gradients
 from ._checks import describe
 from ._numerics import _VALID_DTYPES
@@ -89,3 +92,23 @@ def compute_gradients(
             "then step() (apply_gradients takes the resulting p.grad too)"
         )
     return list(zip(grads, var_list, strict=True))
+
+
+def hooked_update(apply_gradients: Callable[..., None]) -> Callable[..., None]:
+    """Wrap an ``apply_gradients`` as torch wraps ``step``: step pre/post hooks around it.
+
+    ``register_step_pre_hook``/``register_step_post_hook`` (and the global ones)
+    then fire on every update path: ``step``, ``apply_gradients`` and
+    ``minimize`` (through ``apply_gradients``), once per update. The hooks get
+    ``apply_gradients``'s arguments. The call also marks the optimizer as
+    stepped for torch's LR schedulers, which otherwise warn that the scheduler
+    stepped first.
+    """
+    hooked = torch.optim.Optimizer.profile_hook_step(apply_gradients)
+
+    @functools.wraps(apply_gradients)
+    def wrapper(self: torch.optim.Optimizer, *args: Any, **kwargs: Any) -> None:
+        mark_stepped(self)  # (read by torch.optim.lr_scheduler)
+        return hooked(self, *args, **kwargs)
+
+    return wrapper
