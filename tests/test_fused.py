@@ -1249,9 +1249,9 @@ def test_half_precision_working_copies_are_made_a_chunk_at_a_time(monkeypatch):
     sizes: list[int] = []
     apply_dense = tgo.AdamOptimizer._apply_dense
 
-    def recording(self, group, params, grads, slots, non_slot, hyper):
+    def recording(self, group, params, grads, slots, non_slot, hyper, path):
         sizes.append(sum(p.numel() for p in params))
-        return apply_dense(self, group, params, grads, slots, non_slot, hyper)
+        return apply_dense(self, group, params, grads, slots, non_slot, hyper, path)
 
     monkeypatch.setattr(tgo.AdamOptimizer, "_apply_dense", recording)
     results = []

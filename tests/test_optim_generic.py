@@ -698,8 +698,8 @@ def test_a_subclass_that_writes_a_hyperparameter_tensor_changes_only_its_own_ste
     get its own): another optimizer with the same learning rate must still read that rate."""
 
     class Halving(tgo.GradientDescentOptimizer):
-        def _apply_dense(self, group, params, grads, slots, non_slot, hyper):
-            super()._apply_dense(group, params, grads, slots, non_slot, hyper)
+        def _apply_dense(self, group, params, grads, slots, non_slot, hyper, path):
+            super()._apply_dense(group, params, grads, slots, non_slot, hyper, path)
             hyper.lr.mul_(0.5)
 
     for path in ({"foreach": False}, {"foreach": True}, {"fused": True}):
