@@ -12,6 +12,7 @@ optimizers without slots keep no per-parameter state.
 from __future__ import annotations
 
 import copy
+import inspect
 import io
 import math
 import re
@@ -178,7 +179,7 @@ def test_a_group_key_the_optimizer_would_not_read_is_refused(spec: OptimSpec, ci
     # Keras code, or with a typo, would train silently with the default in its place.
     params = _params()
     # Its constructor's argument names and its group keys.
-    own = set(spec.cls.__init__.__code__.co_varnames) | set(spec.make(_params(), cid).defaults)
+    own = set(inspect.signature(spec.cls.__init__).parameters) | set(spec.make(_params(), cid).defaults)
     asks = {
         "weight_decay": 0.01,
         "maximize": True,
