@@ -798,11 +798,11 @@ def test_step_without_gradients_does_nothing(spec: OptimSpec, cid: str):
     params = _params()
     before = [p.detach().clone() for p in params]
     opt = spec.make(params, cid)
-    non_slot = [copy.deepcopy(opt._non_slot_of(g)) for g in opt.param_groups]
+    non_slot = [copy.deepcopy(opt.non_slot_state(g)) for g in opt.param_groups]
     opt.step()
     _assert_bitwise([p.detach() for p in params], before)
     assert not opt.state
-    for a, b in zip([opt._non_slot_of(g) for g in opt.param_groups], non_slot, strict=True):
+    for a, b in zip([opt.non_slot_state(g) for g in opt.param_groups], non_slot, strict=True):
         _assert_bitwise(sorted(a.items()), sorted(b.items()))
 
 

@@ -93,7 +93,7 @@ def _optimizer_wide_state(opt: tgo.Optimizer) -> list[dict[str, Tensor]]:
 
     The one place that knows where that state lives.
     """
-    return [opt._non_slot_of(group) for group in opt.param_groups]
+    return [opt.non_slot_state(group) for group in opt.param_groups]
 
 
 def _unwrap(optimizer: Any) -> tuple[tgo.Optimizer | None, DynamicLossScale | None, bool]:
@@ -120,7 +120,7 @@ def _slot_order(opt: tgo.Optimizer, group: dict[str, Any]) -> tuple[str, ...]:
     """The slots of ``group``'s variables in TF's creation order (the class's ``tf_slot_order``):
     the i-th is ``v/<name>`` (i = 0) or ``v/<name>_<i>`` in a name-based checkpoint."""
     _rule_class(opt)
-    used = set(opt._slot_names_for(group))
+    used = set(opt.slot_names(group))
     return tuple(name for name in type(opt).tf_slot_order if name in used)
 
 
@@ -415,7 +415,7 @@ def _targets(
                 continue  # not trained by this optimizer: no slots
             state = opt.state.get(param) or fresh.get(param)
             if not state:
-                state = fresh[param] = opt._init_slots(group, param)
+                state = fresh[param] = opt.initial_slots(group, param)
             for index, slot in enumerate(_slot_order(opt, group)):
                 if param is tensor:
                     targets.append(_Target(names.slot(key, slot, index), state[slot], perm))
@@ -428,8 +428,8 @@ def _targets(
                 targets.append(_Target(names.non_slot(key), group_state[key], shared=True, check=check))
         if isinstance(opt, tgo.AdagradDAOptimizer):
             # TF's AdagradDA reads the global step; this port keeps it as a tensor or its own counter.
-            if opt._global_step is not None:
-                steps = [opt._global_step]
+            if opt.global_step is not None:
+                steps = [opt.global_step]
             else:
                 steps = [group_state["global_step"] for group_state in _optimizer_wide_state(opt)]
             targets.extend(
@@ -464,7 +464,7 @@ def _targets(
 
 def _non_slot_check(opt: tgo.Optimizer, key: str, group: int, current: Tensor) -> Callable[[Tensor], None]:
     """The optimizer's own check of a loaded non-slot value (finite, in range), as load_state_dict runs it."""
-    return lambda value: opt._check_loaded_non_slot(f"{key} (group {group})", key, value, current)
+    return lambda value: opt.check_loaded_non_slot(f"{key} (group {group})", key, value, current)
 
 
 def _loss_scale_check(loss_scale: DynamicLossScale, key: str) -> Callable[[Tensor], None]:

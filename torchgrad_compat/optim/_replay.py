@@ -265,7 +265,7 @@ class _StepReplay:
             scalars = kept.scalars
             if kept.derives:
                 hyper = HyperScalars(kept.evaluated, _compute_dtype(params[0].dtype), params[0].device)
-                scalars = {**scalars, **optimizer._derived(optimizer._non_slot_of(group), hyper)}
+                scalars = {**scalars, **optimizer._derived(optimizer.non_slot_state(group), hyper)}
             calls.append((kept.plan, kept.kernel, (params, grads, *slots), scalars))
         if unscaling is not None:
             unscaling.started = True
@@ -274,7 +274,7 @@ class _StepReplay:
         # The rest of the step, for rules with non-slot state: as Optimizer._apply ends a group.
         if type(optimizer)._overrides("_finish"):
             for gi, (group, kept) in enumerate(zip(groups, self._groups, strict=True)):
-                non_slot = optimizer._non_slot_of(group)
+                non_slot = optimizer.non_slot_state(group)
                 optimizer._finish(group, non_slot, kept.evaluated)
                 group.update(non_slot)
                 optimizer._mark_written(gi, group)

@@ -36,7 +36,7 @@ def create_slots(
     initial_values = tuple(spec for spec in opt._hypers if isinstance(spec, Hyper) and spec.in_param_dtype)
     state = opt.state
     for gi, pairs in grouped.items():
-        names = opt._slot_names_for(opt.param_groups[gi])
+        names = opt.slot_names(opt.param_groups[gi])
         if len(names) > len(opt._slots):
             # A slot a group flag adds (RMSProp's "mg" when centered), switched on after the
             # first step: TF fixes it at construction, and the update would not find it.

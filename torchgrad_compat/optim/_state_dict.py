@@ -120,7 +120,7 @@ def validate_state_dict(opt: Optimizer, state_dict: dict[str, Any]) -> None:
         if pid not in id_to_param:
             raise ValueError(f"loaded state dict holds state for an unknown parameter id {pid!r}")
         p, group = id_to_param[pid]
-        expected = opt._slot_names_for(group)
+        expected = opt.slot_names(group)
         extra = sorted(set(slots) - set(expected))
         if extra:
             # Another optimizer's slots (RMSProp's "momentum" read as Momentum's) give wrong numbers.
@@ -171,7 +171,7 @@ def validate_state_dict(opt: Optimizer, state_dict: dict[str, Any]) -> None:
                 f"(it holds {sorted(k for k in saved if k != 'params')}); "
                 "was it saved from another optimizer?"
             )
-        for key, value in opt._non_slot_of(group).items():
+        for key, value in opt.non_slot_state(group).items():
             check_loaded_non_slot(opt, f"{key} (group {i})", key, saved[key], value)
 
 

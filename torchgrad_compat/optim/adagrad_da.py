@@ -138,6 +138,12 @@ class AdagradDAOptimizer(Optimizer):
         }
         super().__init__(params, defaults)
 
+    @property
+    def global_step(self) -> Tensor | None:
+        """The ``global_step`` tensor this optimizer reads (TF's), or None where it counts its own
+        steps (in each group's ``global_step``)."""
+        return self._global_step
+
     def _apply(self, grouped, kinds=None, shapes=None, lists=None, census_of=None, unscaling=None):
         # The caller's global_step is read again before every step where that is cheap (on the
         # CPU; an accelerator's would stall it), as hyperparameters are.

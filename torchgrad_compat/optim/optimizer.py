@@ -19,7 +19,7 @@ initial values and its update rule, reached through these hooks:
 Optimizer-wide state is kept as 0-d tensors inside each param group dict
 (``group["beta1_power"]``), one set per group, so that every tool that saves or
 moves only torch's ``state`` and ``param_groups`` (``torch.distributed.checkpoint``,
-``ZeroRedundancyOptimizer``, Lightning) carries it. ``_non_slot_of`` is the one
+``ZeroRedundancyOptimizer``, Lightning) carries it. ``non_slot_state`` is the one
 accessor; the hooks receive a dict of it and ``_apply`` writes it back.
 
 The bookkeeping lives in modules of its own: hyperparameters (``_hyper``), group keys
@@ -238,8 +238,9 @@ class Optimizer(torch.optim.Optimizer):
         for key in self._non_slot_keys:
             written[index, key] = group[key]
 
-    def _non_slot_of(self, group: dict[str, Any]) -> dict[str, Tensor]:
-        """The optimizer-wide state of ``group`` (the one accessor; it lives in the group dict)."""
+    def non_slot_state(self, group: dict[str, Any]) -> dict[str, Tensor]:
+        """The optimizer-wide ("non-slot") state of ``group``, by TF's names (Adam's
+        ``beta1_power``/``beta2_power``); it lives in the group dict, and this is its one accessor."""
         return {key: group[key] for key in self._non_slot_keys}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
@@ -263,9 +264,15 @@ class Optimizer(torch.optim.Optimizer):
                 group.setdefault(key, self.defaults[key])
 
     # ------------------------------------------------------------------ hooks
-    def _slot_names_for(self, group: dict[str, Any]) -> tuple[str, ...]:
-        """Slot names used by ``group``; RMSProp overrides it (``mg`` only when centered)."""
+    def slot_names(self, group: dict[str, Any]) -> tuple[str, ...]:
+        """The slots the variables of ``group`` get (RMSProp's ``mg`` only when centered)."""
         return self._slots
+
+    def initial_slots(self, group: dict[str, Any], p: Tensor) -> dict[str, Tensor]:
+        """The slots ``p`` would get at its first update in ``group``, with their initial values (as
+        TF's slot creation makes them), not stored; the TF checkpoint code writes them for
+        variables that never stepped."""
+        return self._init_slots(group, p)
 
     def _init_slots(self, group: dict[str, Any], p: Tensor) -> dict[str, Tensor]:
         return {}
@@ -545,7 +552,7 @@ class Optimizer(torch.optim.Optimizer):
         """The slot names this optimizer creates, sorted (as TF)."""
         names: set[str] = set()
         for group in self.param_groups:
-            names.update(self._slot_names_for(group))
+            names.update(self.slot_names(group))
         return sorted(names)
 
     def variables(self) -> list[Tensor]:
@@ -557,7 +564,7 @@ class Optimizer(torch.optim.Optimizer):
                 if state:
                     out.extend(state[k] for k in sorted(state))
         for group in self.param_groups:
-            non_slot = self._non_slot_of(group)
+            non_slot = self.non_slot_state(group)
             out.extend(non_slot[k] for k in sorted(non_slot))
         return out
 
@@ -580,7 +587,7 @@ class Optimizer(torch.optim.Optimizer):
         """
         state_dict = _merge_old_non_slot(type(self).__name__, state_dict)
         validate_state_dict(self, state_dict)
-        current = [self._non_slot_of(group) for group in self.param_groups]
+        current = [self.non_slot_state(group) for group in self.param_groups]
         super().load_state_dict(state_dict)
         # The loaded tensors, copied, in the kind and on the device this optimizer keeps them.
         for index, (group, ns) in enumerate(zip(self.param_groups, current, strict=True)):
@@ -593,9 +600,10 @@ class Optimizer(torch.optim.Optimizer):
                 arg: group[arg] for arg, _ in tf_renames(type(self)) if arg in group
             }
 
-    def _check_loaded_non_slot(self, name: str, key: str, value: Any, current: Tensor) -> None:
-        """A loaded value of the non-slot state ``key`` (``name`` in errors), before it is stored
-        (see :func:`check_loaded_non_slot`)."""
+    def check_loaded_non_slot(self, name: str, key: str, value: Any, current: Tensor) -> None:
+        """Check a loaded value of the non-slot state ``key`` (``name`` in errors) before it is
+        stored: of ``current``'s kind and shape, finite, in its range (Adam's beta powers in
+        [0, 1)); as ``load_state_dict`` checks it. Used by ``torchgrad_compat.checkpoint``."""
         check_loaded_non_slot(self, name, key, value, current)
 
     # ------------------------------------------------------------------ the update path
@@ -726,7 +734,7 @@ class Optimizer(torch.optim.Optimizer):
         # (Not under the caller's torch.compile, where the rules run as the loop.)
         in_step = not torch.compiler.is_compiling()
         for gi, (group, values) in enumerate(zip(self.param_groups, evaluated, strict=True)):
-            non_slot = self._non_slot_of(group)
+            non_slot = self.non_slot_state(group)
             for (device, dtype), (bucket_params, bucket_grads) in dense.get(gi, {}).items():
                 hyper = HyperScalars(values, _compute_dtype(dtype), device)
                 # The fused kernel makes one pass over the whole bucket (see pick_impl), but

@@ -124,7 +124,7 @@ class RMSPropOptimizer(Optimizer):
         }
         super().__init__(params, defaults)
 
-    def _slot_names_for(self, group):
+    def slot_names(self, group):
         # ``centered`` is per group, so is the ``mg`` slot.
         return (*self._slots, "mg") if group["centered"] else self._slots
 
