@@ -166,3 +166,10 @@ def test_inductor_entry_points_exist():
     assert "combo_kernels" in internals.inductor_options(), _named(
         "torch._inductor.config.combo_kernels", "fused=True on CUDA launches one kernel per chunk with"
     )
+
+
+def test_rpc_agent_queries_exist():
+    api = pytest.importorskip("torch.distributed.rpc.api")
+    for name in ("_is_current_rpc_agent_set", "_get_current_rpc_agent"):
+        assert hasattr(api, name), _named(f"torch.distributed.rpc.api.{name}", "AGN's RPC transport uses")
+    assert internals.rpc_agent_set() is False  # (no RPC started in this process)

@@ -67,6 +67,24 @@ else:  # torch 2.4 takes one tensor a call
             torch.autograd.graph.increment_version(t)
 
 
+# ---------------------------------------------------------------- torch.distributed.rpc
+
+
+def rpc_agent_set() -> bool:
+    """Whether this process has started torch's RPC (``rpc.api._is_current_rpc_agent_set``)."""
+    from torch.distributed.rpc import api
+
+    return api._is_current_rpc_agent_set()
+
+
+def rpc_worker_names() -> list[str]:
+    """The names of every member of this process's static RPC group
+    (``rpc.api._get_current_rpc_agent().get_worker_infos()``)."""
+    from torch.distributed.rpc import api
+
+    return [info.name for info in api._get_current_rpc_agent().get_worker_infos()]
+
+
 # ---------------------------------------------------------------- torch.optim
 
 

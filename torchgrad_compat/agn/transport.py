@@ -34,6 +34,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.rpc as rpc
 
+from .._torch_internals import rpc_agent_set, rpc_worker_names
 from .errors import (
     AGNError,
     AGNNameInUseError,
@@ -334,8 +335,7 @@ class RpcServerHost(ServerHost):
     def peers(self) -> list[str]:
         """Every other member of this static RPC group."""
         me = rpc.get_worker_info().name
-        infos = rpc.api._get_current_rpc_agent().get_worker_infos()
-        return sorted(info.name for info in infos if info.name != me)
+        return sorted(name for name in rpc_worker_names() if name != me)
 
     def refuse(self, name: str, reason: str) -> set[str]:
         told: set[str] = set()
@@ -365,7 +365,7 @@ class RpcEndpoint(ServerEndpoint):
             raise ValueError(f"server must be the AGN server's RPC name, got {server!r}")
         if timeout is not None:
             check_seconds("timeout", timeout)  # (torch's RPC takes 0 for no timeout at all)
-        if not rpc.api._is_current_rpc_agent_set():
+        if not rpc_agent_set():
             raise RuntimeError(
                 "AGN over RPC needs torch.distributed.rpc.init_rpc (or init_rpc_from_env) first"
             )

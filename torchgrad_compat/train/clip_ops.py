@@ -39,6 +39,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from .._torch_internals import sparse_indices, sparse_values
 from ..optim.wrapper import check_range, sqrt
 
 
@@ -192,7 +193,7 @@ def _value_of(arg: str, t: Any) -> Tensor:
         raise TypeError(f"{arg} must be a floating tensor, got {_describe(t)}")
     if t.layout == torch.sparse_coo:
         # The rows as given (uncoalesced): TF counts an IndexedSlices' duplicate rows apart.
-        return t._values()
+        return sparse_values(t)
     if t.layout != torch.strided:
         raise TypeError(f"{arg} must be dense or sparse COO, got layout {t.layout}")
     return t
@@ -202,7 +203,7 @@ def _like(t: Tensor | None, values: Tensor | None) -> Tensor | None:
     """``values`` in ``t``'s form: a sparse COO tensor gets ``t``'s indices back."""
     if t is None or values is None or t.layout != torch.sparse_coo:
         return values
-    return torch.sparse_coo_tensor(t._indices(), values, t.shape, is_coalesced=t.is_coalesced())
+    return torch.sparse_coo_tensor(sparse_indices(t), values, t.shape, is_coalesced=t.is_coalesced())
 
 
 # Eigen's packet of the x86 TensorFlow wheels (AVX): 8 float32 or 4 float64 lanes.
