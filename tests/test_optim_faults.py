@@ -374,3 +374,32 @@ def test_a_global_step_at_its_largest_value_is_refused_before_anything_changes(c
     if cls is tgo.AdagradDAOptimizer:
         with pytest.raises(ValueError, match="is the largest"):
             tgo.AdagradDAOptimizer(params, 0.1, global_step=global_step)
+
+
+def test_step_unscaling_refuses_gradients_its_kernels_would_not_unscale_once():
+    """step(unscaling=...) on gradients the fused kernels would leave scaled (sparse, half) or unscale
+    twice (one tensor for two parameters) is refused with nothing changed, not a silent wrong step."""
+    from torchgrad_compat.optim.wrapper import Unscaling
+
+    inv = torch.tensor(0.5)
+    # A sparse gradient goes through the sparse rule, which does not unscale.
+    table = torch.nn.Parameter(torch.ones(4, 2))
+    opt = tgo.GradientDescentOptimizer([table], 1.0, fused=True)
+    table.grad = torch.sparse_coo_tensor(torch.tensor([[1]]), torch.tensor([[2.0, 2.0]]), (4, 2))
+    with pytest.raises(ValueError, match=r"step\(unscaling=...\): the gradients of param group 0"):
+        opt.step(unscaling=Unscaling(inv))
+    # Half precision goes through float32 working copies: p.grad would keep its scale.
+    half = torch.nn.Parameter(torch.ones(3, dtype=torch.float16))
+    opt = tgo.GradientDescentOptimizer([half], 1.0, fused=True)
+    half.grad = torch.full((3,), 2.0, dtype=torch.float16)
+    with pytest.raises(ValueError, match="float32 or float64, on the CPU"):
+        opt.step(unscaling=Unscaling(inv))
+    # One tensor as two parameters' gradient would be multiplied by inv twice.
+    a, b = torch.nn.Parameter(torch.ones(3)), torch.nn.Parameter(torch.ones(3))
+    opt = tgo.GradientDescentOptimizer([a, b], 1.0, fused=True)
+    a.grad = b.grad = torch.full((3,), 2.0)
+    with pytest.raises(ValueError, match="would be unscaled twice"):
+        opt.step(unscaling=Unscaling(inv))
+    for p, value in ((table, 1.0), (half, 1.0), (a, 1.0), (b, 1.0)):
+        assert torch.equal(p.detach(), torch.full_like(p, value))
+    assert torch.equal(a.grad, torch.full((3,), 2.0))

@@ -225,3 +225,30 @@ def describe(v: Any) -> str:
     if isinstance(v, Tensor):
         return f"tensor(shape={tuple(v.shape)}, dtype={v.dtype})"
     return f"{type(v).__name__}: {v!r}"
+
+
+_UNSCALABLE_DTYPES = (torch.float32, torch.float64)
+
+
+def check_unscalable(
+    cls: str,
+    kinds: dict[int, tuple[torch.device, torch.dtype] | None],
+    lists: dict[int, tuple[list[Tensor], list[Tensor]]],
+) -> None:
+    """Refuse ``step(unscaling=...)`` where a gradient would be left scaled or unscaled twice: the
+    fused kernels unscale dense float32/float64 CPU gradients only (a sparse gradient's rule, a
+    half-precision working copy, a DTensor shard would keep the scale), each once per kernel."""
+    for gi in lists:
+        kind = kinds.get(gi)
+        if kind is None or kind[0].type != "cpu" or kind[1] not in _UNSCALABLE_DTYPES:
+            raise ValueError(
+                f"{cls}.step(unscaling=...): the gradients of param group {gi} must be dense, of one "
+                f"dtype, float32 or float64, on the CPU (found {kind or 'several kinds or sparse ones'});"
+                " unscale them before step() instead"
+            )
+    grads = [g for _, group_grads in lists.values() for g in group_grads]
+    if len(set(map(id, grads))) != len(grads):
+        raise ValueError(
+            f"{cls}.step(unscaling=...): one gradient tensor is the gradient of two parameters and "
+            "would be unscaled twice; unscale it before step() instead"
+        )

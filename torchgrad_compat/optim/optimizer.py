@@ -50,6 +50,7 @@ from ._checks import (
     _shared_kind,
     check_global_step,
     check_grad,
+    check_unscalable,
     describe,
     grads_fit,
 )
@@ -377,7 +378,10 @@ class Optimizer(torch.optim.Optimizer):
         - ``unscaling``: every ``p.grad`` is the gradient times a loss scale, and the fused
           kernels multiply each by ``unscaling.inv_scale`` as they read it (writing it back
           unscaled) instead of a pass of its own; ``unscaling.started`` tells the caller,
-          after an error, whether some were. Every group must be ``fused``.
+          after an error, whether some were. Every group must be ``fused``, every gradient dense,
+          float32 or float64, on the CPU and a tensor of its own (each is multiplied in place);
+          that no two gradients are overlapping views of one buffer is the caller's to check
+          (``LossScaleOptimizer`` does).
         """
         if unscaling is not None and not all(group.get("fused") for group in self.param_groups):
             raise ValueError(
@@ -437,6 +441,8 @@ class Optimizer(torch.optim.Optimizer):
             if census:
                 kinds[gi] = kind  # (None: not one kind, which _apply need not find out again)
         if grouped:
+            if unscaling is not None:
+                check_unscalable(type(self).__name__, kinds, lists)
             if called_from_dcp_init():
                 create_slots(self, grouped)
             else:
