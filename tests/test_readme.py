@@ -6,7 +6,7 @@ each page starts its own session, so its first block makes its own imports. A
 block that starts a job from torchrun's environment (``init_rpc_from_env``) is
 a program of its own and runs under ``torch.distributed.run`` with three
 processes on 127.0.0.1. The recipes for Lightning and Hugging Face's Trainer
-run inside those trainers, in tests/test_loss_scale_trainers.py.
+run inside those trainers, in tests/amp/test_loss_scale_trainers.py.
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """CrossShardOptimizer: real gloo processes on 127.0.0.1 against single-process references.
 
 Process start-up dominates, so each world size starts once (a module fixture)
-and runs every check of tests/_cross_shard_workers.py meant for it; each test
+and runs every check of tests/xla/_cross_shard_workers.py meant for it; each test
 below reads one check's verdict from every rank. One process without a process
 group covers the local path, argument checks and forwarding; the torch_xla
 test runs when torch_xla is importable.

@@ -1,4 +1,4 @@
-"""Several torch_xla replicas on the CPU, one thread each, for tests/test_xla_replicas.py.
+"""Several torch_xla replicas on the CPU, one thread each, for tests/xla/test_xla_replicas.py.
 
 torch_xla 2.9 has no multi-process collectives on the CPU, but with
 ``CPU_NUM_DEVICES=N`` ``xmp.spawn`` runs one thread per CPU device in one
@@ -19,7 +19,7 @@ the process after 10 s ("only 1 of them arrived"):
    constant in the graph. ``XLA_THREAD_POOL_SIZE`` is at least the number of
    replicas, so that every replica's execution can wait at a collective at once.
 
-Run as ``python tests/_xla_replicas.py --replicas N --out DIR``: every scenario
+Run as ``python tests/xla/_xla_replicas.py --replicas N --out DIR``: every scenario
 of ``SCENARIOS`` runs on every replica, each writing its parameters (and loss
 scale) after every step to ``DIR/<scenario>-<ordinal>.pt``. The test compares
 them with one CPU process on the full batch. With ``--spmd``, one SPMD program

@@ -30,8 +30,8 @@ from torchgrad_compat.gradients import (
     hessians,
 )
 
-FIXTURES = Path(__file__).parent / "fixtures" / "gradients"
-GENERATOR = Path(__file__).parent.parent / "scripts" / "make_tf_gradient_fixtures.py"
+FIXTURES = Path(__file__).parents[1] / "fixtures" / "gradients"
+GENERATOR = Path(__file__).parents[2] / "scripts" / "make_tf_gradient_fixtures.py"
 GRADIENT_CASES = json.loads((FIXTURES / "tf_gradients.json").read_text())["cases"]
 HESSIAN_CASES = json.loads((FIXTURES / "tf_hessians.json").read_text())["cases"]
 DTYPES = {"float32": torch.float32, "float64": torch.float64}
@@ -325,7 +325,7 @@ def test_hessians_chunk_size_bounds_memory_beyond_the_result(chunk_size: int) ->
         text=True,
         timeout=300,
         check=True,
-        env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])},
+        env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2])},
     )
     result_bytes = n * n * 4
     growth = int(out.stdout.split()[-1])

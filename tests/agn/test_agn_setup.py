@@ -9,7 +9,7 @@ import pytest
 
 from torchgrad_compat.agn import init_rpc_from_env
 
-AGN = Path(__file__).resolve().parents[1] / "torchgrad_compat" / "agn"
+AGN = Path(__file__).resolve().parents[2] / "torchgrad_compat" / "agn"
 
 
 def _imports(module: Path) -> set[str]:

@@ -35,7 +35,7 @@ import torch.nn.functional as F
 import torchgrad_compat.optim as tgo
 import torchgrad_compat.optim._fused.config as fused_config
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 FIXTURES = ROOT / "tests" / "fixtures" / "optim"
 GENERATOR = ROOT / "scripts" / "make_tf_fixtures.py"
 MANIFEST: list[dict[str, Any]] = json.loads((FIXTURES / "manifest.json").read_text())

@@ -13,8 +13,8 @@ import torch
 
 from torchgrad_compat import amp, optim, train
 
-FIXTURES = Path(__file__).parent / "fixtures" / "train"
-GENERATOR = Path(__file__).parents[1] / "scripts" / "make_tf_clip_fixtures.py"
+FIXTURES = Path(__file__).parents[1] / "fixtures" / "train"
+GENERATOR = Path(__file__).parents[2] / "scripts" / "make_tf_clip_fixtures.py"
 FIXTURE = json.loads((FIXTURES / "clip.json").read_text())
 CASES = FIXTURE["cases"]
 with np.load(FIXTURES / "clip.npz") as _npz:

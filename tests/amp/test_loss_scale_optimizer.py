@@ -39,7 +39,7 @@ import torchgrad_compat.optim._fused.run as fused_run
 from torchgrad_compat.amp import DynamicLossScale, FixedLossScale, LossScaleOptimizer
 from torchgrad_compat.optim.wrapper import OptimizerWrapper
 
-FIXTURES = Path(__file__).parent / "fixtures" / "amp"
+FIXTURES = Path(__file__).parents[1] / "fixtures" / "amp"
 TRAJECTORIES: list[dict[str, Any]] = json.loads((FIXTURES / "tf_loss_scale_optimizer.json").read_text())[
     "cases"
 ]

@@ -1,6 +1,6 @@
 """AGN over gRPC against hostile neighbours: stalled calls, huge unauthenticated requests, strangers.
 
-Each test starts a real server process (tests/_agn_grpc_server.py, one
+Each test starts a real server process (tests/agn/_agn_grpc_server.py, one
 ``zeros(3)`` parameter, gradient descent with lr 1) on a free port of
 127.0.0.1, attacks it with real sockets and gRPC channels, then trains an
 honest worker against it: the attack must hold nothing the honest worker

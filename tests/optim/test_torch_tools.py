@@ -10,15 +10,15 @@ counter) must equal the uninterrupted run's bit for bit. The tools:
 - ``torch.distributed.checkpoint``: ``get_state_dict``/``set_state_dict`` with
   ``dcp.save``/``dcp.load`` (nested and flattened optimizer state);
 - ``ZeroRedundancyOptimizer``: ``consolidate_state_dict`` then ``load_state_dict``,
-  in a one-rank gloo group (two ranks: tests/test_fsdp2.py).
+  in a one-rank gloo group (two ranks: tests/optim/test_fsdp2.py).
 
 Checkpoints of this package's earlier layout (a top-level ``non_slot_state``;
 a wrapper's ``{"optimizer": ..., "loss_scale": ...}``; a whole pickled optimizer)
 still load. Also here: DCP's state-initialising zero-gradient step changes no
 number; non-slot state written into the groups around ``load_state_dict`` (as
 ZeRO does) is checked before the next step; DTensor gradients of the wrong
-layout are refused before anything changes (FSDP2 itself: tests/test_fsdp2.py).
-AGNOptimizer, which needs a parameter server, is resumed in tests/test_agn.py.
+layout are refused before anything changes (FSDP2 itself: tests/optim/test_fsdp2.py).
+AGNOptimizer, which needs a parameter server, is resumed in tests/agn/test_agn.py.
 """
 
 from __future__ import annotations

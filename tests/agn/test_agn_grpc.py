@@ -1,6 +1,6 @@
 """AGN over gRPC: a real server process on 127.0.0.1 against honest workers and hostile clients.
 
-The server (tests/_agn_grpc_server.py) runs ``run_parameter_server`` with a
+The server (tests/agn/_agn_grpc_server.py) runs ``run_parameter_server`` with a
 :class:`GrpcServerHost`; this process sends it garbage bytes, calls without
 or with a wrong token and malformed payloads, then trains honest workers
 against it: the server must refuse the first, keep serving, and count the
@@ -203,7 +203,7 @@ def test_grpc_over_tls_serves_workers_that_trust_its_certificate(tmp_path):
 
 def test_train_agn_script_over_grpc_under_torchrun():
     """docs/agn.md's gRPC command: torchrun, one server and two workers with a shared token."""
-    script = Path(__file__).resolve().parents[1] / "scripts" / "train_agn.py"
+    script = Path(__file__).resolve().parents[2] / "scripts" / "train_agn.py"
     args = [str(script), "--steps", "60", "--transport", "grpc", "--grpc-port", str(free_port())]
     env = {**os.environ, "AGN_TOKEN": TOKEN}
     returncode, output = torchrun(args, nproc=3, deadline_s=120, env=env)

@@ -1,6 +1,6 @@
 """CrossShardOptimizer on 2 and 4 torch_xla replicas (CPU, one thread per replica) against one CPU process.
 
-Each replica count runs once, in a process of its own (tests/_xla_replicas.py
+Each replica count runs once, in a process of its own (tests/xla/_xla_replicas.py
 says how several replicas run on the CPU); every scenario's parameters after
 every step are then compared with a single process that trains on the full
 batch of the replica group. Skipped when torch_xla is not installed (it needs

@@ -1,4 +1,4 @@
-"""The server process of tests/test_agn_grpc.py: ``run_parameter_server`` behind a ``GrpcServerHost``."""
+"""The server process of tests/agn/test_agn_grpc.py: ``run_parameter_server`` behind a ``GrpcServerHost``."""
 
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """FSDP2 (``fully_shard``), DCP under FSDP2 and ZeroRedundancyOptimizer with two real gloo ranks.
 
-One process group runs every check of tests/_fsdp2_workers.py (each over every
+One process group runs every check of tests/optim/_fsdp2_workers.py (each over every
 optimizer configuration); each test reads one check's verdict from both ranks.
 
 - TF-style ``minimize`` on FSDP2 parameters raises a clear error (FSDP2 gradients

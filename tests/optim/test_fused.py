@@ -1098,7 +1098,7 @@ def test_the_fused_step_under_the_stream_ordered_allocator_matches_the_loop_on_c
     capture of the fused step aborted the process under it, so there the kernels are called
     one at a time (no graph), with the loop's numbers."""
     env = {**os.environ, "PYTORCH_CUDA_ALLOC_CONF": "backend:cudaMallocAsync"}
-    env["PYTHONPATH"] = os.pathsep.join([str(Path(__file__).parent), env.get("PYTHONPATH", "")])
+    env["PYTHONPATH"] = os.pathsep.join([str(Path(__file__).parents[1]), env.get("PYTHONPATH", "")])
     done = subprocess.run(
         [sys.executable, "-c", _STREAM_ORDERED_LOOP], env=env, capture_output=True, text=True, timeout=300
     )

@@ -22,8 +22,8 @@ import torchgrad_compat.optim._fused.kernel as fused_kernel
 import torchgrad_compat.train.learning_rate_decay as lr_decay
 from torchgrad_compat import optim, train
 
-FIXTURES = Path(__file__).parent / "fixtures" / "train"
-GENERATOR = Path(__file__).parents[1] / "scripts" / "make_tf_decay_fixtures.py"
+FIXTURES = Path(__file__).parents[1] / "fixtures" / "train"
+GENERATOR = Path(__file__).parents[2] / "scripts" / "make_tf_decay_fixtures.py"
 FIXTURE = json.loads((FIXTURES / "decays.json").read_text())
 CASES = FIXTURE["cases"]
 CASE_IDS = [case["id"] for case in CASES]

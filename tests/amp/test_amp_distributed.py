@@ -16,7 +16,7 @@ the ranks here. A non-finite gradient appears on rank 1 only, at chosen steps:
 Every rank must skip those steps (parameters bitwise unchanged), back off
 identically, and keep bitwise equal parameters. DDP around this package's Adam
 runs both with ``foreach=False`` and with ``fused=True``, and the two must agree
-at tests/test_fused.py's tolerance.
+at tests/optim/test_fused.py's tolerance.
 """
 
 from __future__ import annotations
@@ -201,7 +201,7 @@ RUNS: dict[str, Callable[[int], list[dict[str, Any]]]] = {
 
 def run_rank(rank: int, port: int, out_dir: str) -> None:
     """Entry point of a spawned rank: one gloo group, every scenario, results saved per rank."""
-    # Fused kernels over chunks of 4 tensors, as in tests/test_fused.py: quick to compile.
+    # Fused kernels over chunks of 4 tensors, as in tests/optim/test_fused.py: quick to compile.
     fused_config.FUSED_CHUNK = 4
     init_gloo(rank, WORLD, port)
     results: dict[str, Any] = {}

@@ -26,8 +26,8 @@ from torch import Tensor
 from torchgrad_compat.amp import DynamicLossScale, FixedLossScale, LossScale
 from torchgrad_compat.amp.loss_scale import as_loss_scale, found_non_finite
 
-FIXTURES = Path(__file__).parent / "fixtures" / "amp"
-GENERATOR = Path(__file__).parent.parent / "scripts" / "make_tf_loss_scale_fixtures.py"
+FIXTURES = Path(__file__).parents[1] / "fixtures" / "amp"
+GENERATOR = Path(__file__).parents[2] / "scripts" / "make_tf_loss_scale_fixtures.py"
 SEQUENCES: list[dict[str, Any]] = json.loads((FIXTURES / "tf_loss_scale.json").read_text())["cases"]
 NAN, INF = math.nan, math.inf
 FLOAT32_MAX = torch.finfo(torch.float32).max

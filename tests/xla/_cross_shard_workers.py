@@ -1,4 +1,4 @@
-"""The rank side of tests/test_cross_shard.py: checks that run inside every spawned process.
+"""The rank side of tests/xla/test_cross_shard.py: checks that run inside every spawned process.
 
 ``run_checks`` joins a gloo process group on 127.0.0.1, runs the named checks in
 order and reports ``(check, rank, traceback or None)`` for each. A check runs on
@@ -148,7 +148,7 @@ def check_full_batch_equivalence(rank: int, world: int) -> None:
 
 def check_fused_as_the_reference_loop(rank: int, world: int) -> None:
     """A fused inner optimizer steps as the same run with ``foreach=False``, bitwise."""
-    # Chunks of 4 tensors, as in tests/test_fused.py: quick to compile.
+    # Chunks of 4 tensors, as in tests/optim/test_fused.py: quick to compile.
     chunk, fused_config.FUSED_CHUNK = fused_config.FUSED_CHUNK, 4
     try:
         runs = []

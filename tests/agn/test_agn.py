@@ -3,7 +3,7 @@
 The in-process tests drive :class:`LocalServerHost`, which clones every tensor
 as a wire would; they pin TF contrib's golden numbers and the server's
 contract. The RPC tests start one process group per scenario on 127.0.0.1
-(rank 0 serves, the others are workers; tests/_agn_workers.py), with RPC
+(rank 0 serves, the others are workers; tests/agn/_agn_workers.py), with RPC
 timeouts of a few seconds, a deadline per group, and every leftover process
 killed.
 """
@@ -610,7 +610,7 @@ def test_rpc_server_restarted_from_a_checkpoint_continues(tmp_path):
 
 def test_train_agn_script_under_torchrun(tmp_path):
     """docs/agn.md's command: torchrun, one server and two workers on 127.0.0.1; the center learns."""
-    script = Path(__file__).resolve().parents[1] / "scripts" / "train_agn.py"
+    script = Path(__file__).resolve().parents[2] / "scripts" / "train_agn.py"
     returncode, output = torchrun([str(script), "--steps", "60"], nproc=3, deadline_s=GROUP_DEADLINE_S)
     assert returncode == 0, output
     before, after = (float(a) for a in re.findall(r"center accuracy (?:before|after) (\d\.\d+)", output))
@@ -903,7 +903,7 @@ def _init_rpc_process(
     rank: int, world: int, port: int, startup_timeout: float, hold: float
 ) -> subprocess.Popen:
     env = {**os.environ, "RANK": str(rank), "WORLD_SIZE": str(world), "MASTER_ADDR": "127.0.0.1"}
-    env.update(MASTER_PORT=str(port), PYTHONPATH=str(Path(__file__).resolve().parents[1]))
+    env.update(MASTER_PORT=str(port), PYTHONPATH=str(Path(__file__).resolve().parents[2]))
     env.pop("TP_SOCKET_IFNAME", None)
     command = [sys.executable, "-c", _INIT_RPC, str(startup_timeout), str(hold)]
     return subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
@@ -970,7 +970,7 @@ def test_init_rpc_from_env_listens_on_the_configured_address_only():
 
 
 # ---------------------------------------------------------------------- scripts/train_agn.py under faults
-SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "train_agn.py"
+SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "train_agn.py"
 
 
 def _wait_for_line(proc: subprocess.Popen, pattern: str, lines: list[str], timeout: float) -> re.Match:

@@ -51,7 +51,7 @@ from torchgrad_compat.checkpoint import (
 from torchgrad_compat.checkpoint._bundle import write_bundle
 from torchgrad_compat.checkpoint._tf_checkpoint import _optimizer_wide_state
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 FIXTURES = ROOT / "tests" / "fixtures" / "tf_checkpoint"
 GENERATOR = ROOT / "scripts" / "make_tf_checkpoint_fixtures.py"
 MANIFEST: list[dict[str, Any]] = json.loads((FIXTURES / "manifest.json").read_text())
@@ -1476,7 +1476,7 @@ def test_load_targets_sharing_memory_are_refused() -> None:
 
 # TF1 names an optimizer's state after the scope its update was built in (a variable scope
 # prefixes the slots too, a name scope only the optimizer-wide state), and numbers a graph's
-# second Adam's beta powers beta1_power_1. Per layout of tests/_tf_scoped_graphs.py: each
+# second Adam's beta powers beta1_power_1. Per layout of tests/checkpoint/_tf_scoped_graphs.py: each
 # variable's load/save keywords.
 SCOPED = Path(__file__).parent / "_tf_scoped_graphs.py"
 SCOPED_LAYOUTS: dict[str, dict[str, dict[str, Any]]] = {

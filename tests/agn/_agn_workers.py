@@ -1,4 +1,4 @@
-"""The process side of tests/test_agn.py: AGN scenarios run in-process or in real RPC processes.
+"""The process side of tests/agn/test_agn.py: AGN scenarios run in-process or in real RPC processes.
 
 Each scenario is a pair of functions, one for the server and one per worker,
 taking an ``endpoint(server)`` factory so the same code drives the in-process
