@@ -1,4 +1,4 @@
-"""Write the TensorFlow ground truth that tests/test_clip.py checks the clipping functions against.
+"""Write the TensorFlow ground truth that tests/train/test_clip.py checks the clipping functions against.
 
 Run with an interpreter that has TensorFlow (no torch needed)::
 

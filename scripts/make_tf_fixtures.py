@@ -1,4 +1,4 @@
-"""Write the TensorFlow ground truth that tests/test_tf_parity.py checks the optimizers against.
+"""Write the TensorFlow ground truth that tests/optim/test_tf_parity.py checks the optimizers against.
 
 Run with an interpreter that has TensorFlow (no torch needed)::
 

@@ -1,4 +1,4 @@
-"""Write the TensorFlow reference values that tests/test_gradients.py checks against.
+"""Write the TensorFlow reference values that tests/gradients/test_gradients.py checks against.
 
 Runs ``tf.compat.v1.gradients`` and ``tf.compat.v1.hessians`` in graph mode on
 small seeded inputs, in float32 and float64, and writes one JSON file per
