@@ -15,6 +15,10 @@ the counterpart at the same values. AdagradDA, Ftrl, ProximalAdagrad and
 ProximalGradientDescent have no ``torch.optim`` counterpart: they are set beside
 the nearest one in cost (Adagrad or SGD), marked "≈" in the table.
 
+Ours fused is timed twice: as a training loop runs it (from the third step on, a
+step is replayed: see docs/fused.md) and with step replay off, every step taking
+the whole path; "replay / no replay" is the ratio of the two.
+
 Beside them, in the same repeats, a physical floor: one ``copy_`` over as many
 bytes as a single pass of the optimizer must move (every tensor it reads once,
 every tensor it writes once: Adam reads p, g, m, v and writes p, m, v, 7 × 4
@@ -50,6 +54,7 @@ from torchgrad_compat.optim import (
     ProximalAdagradOptimizer,
     ProximalGradientDescentOptimizer,
     RMSPropOptimizer,
+    set_step_replay,
 )
 
 # A factory takes (params, foreach) and returns an optimizer over them.
@@ -167,6 +172,8 @@ class Row:
     # Ours with fused=True, and its first step in seconds (torch.compile, or Inductor's disk cache).
     ours_fused: float
     fused_first_s: float
+    # Ours with fused=True and step replay off: every step takes the whole path.
+    ours_fused_whole: float
     floor: float
     # Interquartile range / median of ours foreach and of torch foreach.
     ours_spread: float
@@ -239,10 +246,19 @@ def bench(name: str, params: list[Tensor], grads: list[Tensor], args: argparse.N
         optimizers.append(make_optimizer(case.theirs, params, grads, False))
         for group in optimizers[-1].param_groups:
             group["foreach"], group["fused"] = False, True
-    ours_fused = make_optimizer(case.ours, params, grads, False)
-    for group in ours_fused.param_groups:
+    ours_fused, ours_fused_whole = (make_optimizer(case.ours, params, grads, False) for _ in range(2))
+    for group in (*ours_fused.param_groups, *ours_fused_whole.param_groups):
         group["foreach"], group["fused"] = False, True
-    steps = [opt.step for opt in optimizers] + [ours_fused.step, floor_copy(case, params)]
+
+    def whole_path_step() -> None:
+        previous = set_step_replay(False)
+        try:
+            ours_fused_whole.step()
+        finally:
+            set_step_replay(previous)
+
+    steps = [opt.step for opt in optimizers]
+    steps += [whole_path_step, ours_fused.step, floor_copy(case, params)]
     times, first = time_steps(steps, args.warmup, args.repeats, args.device)
     medians = [statistics.median(samples) for samples in times]
     ours_loop, ours_foreach, torch_loop, torch_foreach = medians[:4]
@@ -257,6 +273,7 @@ def bench(name: str, params: list[Tensor], grads: list[Tensor], args: argparse.N
         torch_fused=medians[4] if fused else None,
         ours_fused=medians[-2],
         fused_first_s=first[-2] / 1e3,
+        ours_fused_whole=medians[-3],
         floor=medians[-1],
         ours_spread=spread(times[1]),
         torch_spread=spread(times[3]),
@@ -272,8 +289,9 @@ def format_table(rows: list[Row]) -> str:
         "| optimizer | torch.optim | ours loop | torch loop | loop ratio "
         "| ours foreach (spread) | torch foreach (spread) | foreach ratio | torch fused "
         "| ours foreach / torch fused | ours fused (first step) | ours fused / torch fused "
+        "| ours fused, no replay | replay / no replay "
         "| copy floor | floor % of ours fused | floor % of the fastest |",
-        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for r in rows:
         fused = "—" if r.torch_fused is None else f"{r.torch_fused:.2f}"
@@ -287,6 +305,7 @@ def format_table(rows: list[Row]) -> str:
             f"| {r.torch_foreach:.2f} ({r.torch_spread:.0%}) "
             f"| {ratio(r.ours_foreach, r.torch_foreach, flag=True)} | {fused} | {vs_fused} "
             f"| {r.ours_fused:.2f} ({r.fused_first_s:.1f} s) | {ours_vs_fused} "
+            f"| {r.ours_fused_whole:.2f} | {r.ours_fused / r.ours_fused_whole:.2f}x "
             f"| {r.floor:.2f} | {r.floor / r.ours_fused:.0%} | {r.floor / best:.0%} |"
         )
     return "\n".join(lines)

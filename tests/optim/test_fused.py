@@ -38,7 +38,6 @@ import torchgrad_compat.optim._fused.plan as fused_plan
 import torchgrad_compat.optim._fused.run as fused_run
 import torchgrad_compat.optim._hyper as optim_hyper
 import torchgrad_compat.optim._numerics as optim_numerics
-import torchgrad_compat.optim._replay as optim_replay
 import torchgrad_compat.optim._slots as optim_slots
 import torchgrad_compat.optim.optimizer as optim_optimizer
 from torchgrad_compat.amp import DynamicLossScale, LossScaleOptimizer
@@ -276,28 +275,21 @@ def test_a_replayed_step_ends_as_the_whole_path(monkeypatch, spec: OptimSpec, ci
     """Where a rule's later steps are replayed from the last one's record (see _StepReplay), they
     end bitwise as the steps that take the whole path at every step."""
     replayed = _six_steps(spec, cid)
-    monkeypatch.setattr(optim_replay._StepReplay, "of", classmethod(lambda cls, *args: None))
-    whole = _six_steps(spec, cid)
+    with _no_step_replay():
+        whole = _six_steps(spec, cid)
     assert all(torch.equal(a, b) for a, b in zip(replayed, whole, strict=True))
 
 
-@pytest.mark.parametrize(
-    ("spec", "cid"),
-    [
-        (spec, cid)
-        for spec, cid in ALL_CONFIGS
-        if spec.name
-        in (
-            "GradientDescentOptimizer",
-            "MomentumOptimizer",
-            "AdagradOptimizer",
-            "AdamOptimizer",
-            "RMSPropOptimizer",
-            "AdadeltaOptimizer",
-        )
-    ],
-    ids=lambda v: v if isinstance(v, str) else v.name.removesuffix("Optimizer"),
-)
+@contextlib.contextmanager
+def _no_step_replay():
+    previous = tgo.set_step_replay(False)
+    try:
+        yield
+    finally:
+        tgo.set_step_replay(previous)
+
+
+@pytest.mark.parametrize(("spec", "cid"), ALL_CONFIGS, ids=ALL_IDS)
 @pytest.mark.parametrize(
     ("scale", "fixed"), [(None, False), (2.0**10, False), (1000.0, True)], ids=["bare", "dynamic", "fixed"]
 )
@@ -315,9 +307,54 @@ def test_a_training_loop_takes_the_whole_path_twice_then_replays(
     )
     replayed = _six_steps(spec, cid, scale, fixed)
     assert len(whole) == (2 if spec.slots else 1)
-    monkeypatch.setattr(optim_replay._StepReplay, "of", classmethod(lambda cls, *args: None))
-    assert all(torch.equal(a, b) for a, b in zip(replayed, _six_steps(spec, cid, scale, fixed), strict=True))
+    with _no_step_replay():
+        again = _six_steps(spec, cid, scale, fixed)
+    assert all(torch.equal(a, b) for a, b in zip(replayed, again, strict=True))
     assert len(whole) == (2 if spec.slots else 1) + 6
+
+
+def test_a_scalar_a_rule_computes_at_each_step_is_not_replayed_stale(monkeypatch):
+    """A replayed step updates through the rule's own ``_apply_dense`` (see _StepReplay), so a
+    scalar the rule computes afresh at each step, from anything at all, is computed again: here
+    GradientDescent's rule halves its learning rate at every call, from a count of its own, as a
+    kept number tensor (the kind of scalar a record of the last step's kernel arguments would
+    have passed again unchanged)."""
+    rule = tgo.GradientDescentOptimizer._apply_dense
+    calls = []
+
+    def halving(self, group, params, grads, slots, non_slot, hyper, path):
+        calls.append(path)
+        lr = hyper.tensor(group["lr"] * 0.5 ** (len(calls) - 1))
+        rule(self, group, params, grads, slots, non_slot, _With(hyper, lr=lr), path)
+
+    monkeypatch.setattr(tgo.GradientDescentOptimizer, "_apply_dense", halving)
+    whole = []
+    apply = optim_optimizer.Optimizer._apply
+    monkeypatch.setattr(
+        optim_optimizer.Optimizer, "_apply", lambda self, *a: whole.append(1) or apply(self, *a)
+    )
+    gen = torch.Generator().manual_seed(0)
+    params = [torch.nn.Parameter(torch.randn(s, generator=gen)) for s in SHAPES if s != (1,)]
+    expected = [p.detach().clone() for p in params]
+    opt = tgo.GradientDescentOptimizer(params, learning_rate=0.5, fused=True)
+    for step in range(5):
+        grads = [torch.randn(p.shape, generator=gen) for p in params]
+        for p, g, e in zip(params, grads, expected, strict=True):
+            p.grad = g
+            e.sub_(torch.tensor(0.5 * 0.5**step) * g)
+        opt.step()
+    assert all(torch.equal(p.detach(), e) for p, e in zip(params, expected, strict=True))
+    assert len(whole) == 1 and len(calls) == 5  # (four steps replayed)
+
+
+class _With:
+    """``hyper`` with some of its scalars replaced."""
+
+    def __init__(self, hyper: Any, **scalars: torch.Tensor):
+        self._hyper, self._scalars = hyper, scalars
+
+    def __getattr__(self, name: str) -> Any:
+        return self._scalars[name] if name in self._scalars else getattr(self._hyper, name)
 
 
 @pytest.mark.parametrize(("spec", "cid"), ALL_CONFIGS, ids=ALL_IDS)

@@ -1,5 +1,6 @@
 """TensorFlow v1's optimizers as ``torch.optim.Optimizer`` subclasses with TF's exact numbers."""
 
+from ._replay import set_step_replay
 from .adadelta import AdadeltaOptimizer
 from .adagrad import AdagradOptimizer
 from .adagrad_da import AdagradDAOptimizer
@@ -24,4 +25,5 @@ __all__ = [
     "ProximalAdagradOptimizer",
     "ProximalGradientDescentOptimizer",
     "RMSPropOptimizer",
+    "set_step_replay",
 ]

@@ -78,9 +78,6 @@ class AdadeltaOptimizer(Optimizer):
         Hyper("epsilon", "epsilon", 0.0),
     )
     _slots = ("accum", "accum_update")
-    _derived_scalars: ClassVar[dict[str, Any]] = {
-        "one_minus_rho": Optimizer._one_minus("rho"),
-    }
 
     def __init__(
         self,
@@ -110,7 +107,7 @@ class AdadeltaOptimizer(Optimizer):
             [s["accum_update"] for s in slots],
             lr=hyper.lr,
             rho=hyper.rho,
-            **self._derived(non_slot, hyper),
+            one_minus_rho=hyper.one - hyper.rho,
             epsilon=hyper.epsilon,
             foreach=foreach,
             fused=fused,

@@ -112,11 +112,6 @@ class AdamOptimizer(Optimizer):
         Hyper("epsilon", "epsilon", 0.0),
     )
     _slots = ("m", "v")
-    _derived_scalars: ClassVar[dict[str, Any]] = {
-        "alpha": _alpha,
-        "one_minus_beta1": Optimizer._one_minus("beta1"),
-        "one_minus_beta2": Optimizer._one_minus("beta2"),
-    }
 
     def __init__(
         self,
@@ -210,7 +205,9 @@ class AdamOptimizer(Optimizer):
             grads,
             [s["m"] for s in slots],
             [s["v"] for s in slots],
-            **self._derived(non_slot, hyper),
+            alpha=_alpha(non_slot, hyper),
+            one_minus_beta1=hyper.one - hyper.beta1,
+            one_minus_beta2=hyper.one - hyper.beta2,
             epsilon=hyper.epsilon,
             foreach=foreach,
             fused=fused,

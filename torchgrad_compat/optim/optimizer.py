@@ -133,10 +133,6 @@ class Optimizer(torch.optim.Optimizer):
     _non_slot_ranges: ClassVar[tuple[Hyper, ...]] = ()
     # Instance attributes kept by pickling and deepcopy, beyond torch's three.
     _pickled_attributes: ClassVar[tuple[str, ...]] = ("_non_slot_keys", "_tf_names_given")
-    # The kernel scalars a rule computes at every step (name -> its function of the group's
-    # non-slot tensors and HyperScalars), which its _apply_dense takes from _derived and a
-    # replayed step computes again the same way (see _StepReplay).
-    _derived_scalars: ClassVar[dict[str, Callable[[dict[str, Tensor], HyperScalars], Tensor]]] = {}
 
     def __init__(self, params: Iterable[Tensor] | Iterable[dict[str, Any]], defaults: dict[str, Any]):
         if isinstance(params, Tensor):
@@ -316,15 +312,6 @@ class Optimizer(torch.optim.Optimizer):
         hyper: HyperScalars,
     ) -> None:
         raise NotImplementedError
-
-    @staticmethod
-    def _one_minus(key: str) -> Callable[[dict[str, Tensor], HyperScalars], Tensor]:
-        """A derived scalar (see :attr:`_derived_scalars`): ``1 - hyperparameter`` in the group's dtype."""
-        return lambda non_slot, hyper: hyper.one - getattr(hyper, key)
-
-    def _derived(self, non_slot: dict[str, Tensor], hyper: HyperScalars) -> dict[str, Tensor]:
-        """The scalars of :attr:`_derived_scalars`, for this group and bucket."""
-        return {name: derive(non_slot, hyper) for name, derive in self._derived_scalars.items()}
 
     def _finish(self, group: dict[str, Any], non_slot: dict[str, Tensor], values: dict[str, Any]) -> None:
         return None
@@ -766,9 +753,7 @@ class Optimizer(torch.optim.Optimizer):
                             else None
                         )
                         fused = FusedStep(in_step, held, calls, unscaling)
-                    with _working_precision(params, grads, slots) as (ps, gs, ss):
-                        path = (False, fused) if fused is not None else (self._use_foreach(group, ps), None)
-                        self._apply_dense(group, ps, gs, ss, non_slot, hyper, path)
+                    self._update_bucket(group, params, grads, slots, non_slot, hyper, fused)
             for g, p in sparse.get(gi, []):
                 if self._coalesce_sparse:
                     indices, grad_values = summed_rows(g)
@@ -777,15 +762,26 @@ class Optimizer(torch.optim.Optimizer):
                 hyper = HyperScalars(values, _compute_dtype(p.dtype), p.device)
                 with _working_precision([p], [grad_values], [self.state.get(p, {})]) as (ps, gs, ss):
                     self._apply_sparse(group, ps[0], indices, gs[0], ss[0], non_slot, hyper)
-            self._finish(group, non_slot, values)
-            group.update(non_slot)
-            self._mark_written(gi, group)
+            self._end_group(gi, group, non_slot, values)
         if calls is not None:
-            replay = _StepReplay.of(
-                self, calls, lists or {}, census_of, slot_records, slots_of, evaluated, unscaling
-            )
+            replay = _StepReplay.of(self, calls, lists or {}, census_of, slot_records, slots_of, evaluated)
             if replay is not None:
                 self.__dict__["_step_replay"] = replay
+
+    def _update_bucket(self, group, params, grads, slots, non_slot, hyper, fused: FusedStep | None) -> None:
+        """Update one bucket of a group (parameters of one device and dtype) by the rule. A
+        replayed step (see :class:`_StepReplay`) updates through this very method and
+        :meth:`_end_group`, so every scalar a rule computes is computed afresh."""
+        with _working_precision(params, grads, slots) as (ps, gs, ss):
+            path = (False, fused) if fused is not None else (self._use_foreach(group, ps), None)
+            self._apply_dense(group, ps, gs, ss, non_slot, hyper, path)
+
+    def _end_group(self, index: int, group: dict[str, Any], non_slot: dict[str, Tensor], values) -> None:
+        """End a group's step: the rule's ``_finish`` (Adam's beta powers), its non-slot state
+        written back to the group."""
+        self._finish(group, non_slot, values)
+        group.update(non_slot)
+        self._mark_written(index, group)
 
 
 @functools.cache

@@ -97,9 +97,6 @@ class RMSPropOptimizer(Optimizer):
         Flag("centered", "centered"),
     )
     _slots = ("momentum", "rms")
-    _derived_scalars: ClassVar[dict[str, Any]] = {
-        "one_minus_decay": Optimizer._one_minus("decay"),
-    }
 
     def __init__(
         self,
@@ -146,7 +143,7 @@ class RMSPropOptimizer(Optimizer):
             [s["momentum"] for s in slots],
             [s["mg"] for s in slots] if centered else [],
             lr=hyper.lr,
-            **self._derived(non_slot, hyper),
+            one_minus_decay=hyper.one - hyper.decay,
             momentum=hyper.momentum,
             epsilon=hyper.epsilon,
             centered=centered,

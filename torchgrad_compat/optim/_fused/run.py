@@ -28,10 +28,13 @@ class FusedStep:
     - ``calls``: the step is recorded for replay: each call appends what it ran, or None where it
       took another way than one plan's kernel calls;
     - ``unscaling``: the kernels unscale the gradients in their own pass (``LossScaleOptimizer``,
-      see :func:`_unscaling`).
+      see :func:`_unscaling`);
+    - ``replaying``: the kernel and plan of the step being replayed (see ``_StepReplay``), whose
+      tensors are the very ones the plan was made for: the plan serves if the rule asks for
+      that kernel again (the same function, scalars of the same kinds and Python values).
     """
 
-    __slots__ = ("calls", "held", "in_step", "unscaling")
+    __slots__ = ("calls", "held", "in_step", "replaying", "unscaling")
 
     def __init__(
         self,
@@ -39,8 +42,10 @@ class FusedStep:
         held: tuple[SameMeta, list[Tensor], list[Tensor], _SlotRecord | None] | None = None,
         calls: list[Any] | None = None,
         unscaling: Unscaling | None = None,
+        replaying: tuple[_FusedKernel, _FusedPlan] | None = None,
     ):
         self.in_step, self.held, self.calls, self.unscaling = in_step, held, calls, unscaling
+        self.replaying = replaying
 
 
 def run_fused(
@@ -94,6 +99,10 @@ def run_fused(
         return
     scalars = _distinct_scalars(scalars)
     kernel = _FusedKernel.of(single, lists, scalars)
+    replaying = step.replaying if step is not None else None
+    if replaying is not None and replaying[0] is kernel:
+        replaying[1].call(kernel, lists, scalars)
+        return
     plan = _FusedPlan.of(single, lists, kernel, scalars, step)
     if plan.loop_rows:
         single(*[[lst[i] for i in plan.loop_rows] if lst else [] for lst in lists], **scalars)
@@ -106,7 +115,7 @@ def run_fused(
             return
     plan.call(kernel, lists, scalars)
     if calls is not None and plan.as_they_are:
-        calls[-1] = (kernel, plan, lists, scalars)
+        calls[-1] = (kernel, plan, lists)
 
 
 class Unscaling:
