@@ -1,4 +1,4 @@
-"""Write the TensorFlow checkpoints and continued runs that tests/checkpoint/test_tf_checkpoint.py checks against.
+"""Write the TF checkpoints and continued runs that tests/checkpoint/test_tf_checkpoint.py checks against.
 
 Run with an interpreter that has TensorFlow (no torch needed)::
 

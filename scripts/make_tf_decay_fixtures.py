@@ -1,4 +1,4 @@
-"""Write the TensorFlow ground truth that tests/train/test_lr_decay.py checks the learning-rate decays against.
+"""Write the TF ground truth that tests/train/test_lr_decay.py checks the learning-rate decays against.
 
 Run with an interpreter that has TensorFlow (no torch needed)::
 

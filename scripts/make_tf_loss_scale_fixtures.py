@@ -1,4 +1,4 @@
-"""Write the TensorFlow reference values that tests/amp/test_loss_scale*.py check torchgrad_compat.amp against.
+"""Write the TF reference values that tests/amp/test_loss_scale*.py check torchgrad_compat.amp against.
 
 Run with an interpreter that has TensorFlow (no torch needed)::
 

@@ -48,7 +48,7 @@ import torchgrad_compat.optim as tgo
 from torchgrad_compat.amp import DynamicLossScale, LossScaleOptimizer
 from torchgrad_compat.checkpoint import load_tf_checkpoint, save_tf_checkpoint, suggest_var_map
 from torchgrad_compat.checkpoint._bundle import BundleReader
-from torchgrad_compat.checkpoint._tf_checkpoint import _optimizer_wide_state
+from torchgrad_compat.checkpoint._mapping import _optimizer_wide_state
 
 ROOT = Path(__file__).resolve().parent.parent
 KERNEL = "dense/kernel"  # TF's [in, out]; torch's Linear weight is its transpose

@@ -38,7 +38,8 @@ def all_python_blocks() -> list[tuple[str, int, str]]:
 
 
 def is_trainer_recipe(source: str) -> bool:
-    """A recipe for a trainer package (Lightning, Hugging Face): tests/amp/test_loss_scale_trainers.py runs it."""
+    """A recipe for a trainer package (Lightning, Hugging Face), which
+    tests/amp/test_loss_scale_trainers.py runs."""
     return any(
         marker in source for marker in ("import lightning", "from transformers", "self.manual_backward")
     )

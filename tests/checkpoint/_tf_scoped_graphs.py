@@ -1,7 +1,7 @@
 """TF1 graphs whose optimizers ran in scopes, or two of one kind (a GAN): write, continue, restore.
 
-    python tests/checkpoint/_tf_scoped_graphs.py write LAYOUT FOLDER STEPS       # STEPS steps, save, STEPS more
-    python tests/checkpoint/_tf_scoped_graphs.py restore LAYOUT FOLDER STEPS K   # restore torch.ckpt, STEPS from K
+    python tests/checkpoint/_tf_scoped_graphs.py write LAYOUT FOLDER STEPS      # STEPS, save, STEPS more
+    python tests/checkpoint/_tf_scoped_graphs.py restore LAYOUT FOLDER STEPS K  # torch.ckpt, STEPS from K
 
 Prints the gradients fed and every variable's final value as JSON. Runs under TensorFlow only.
 """

@@ -49,7 +49,7 @@ from torchgrad_compat.checkpoint import (
 # Where the optimizers keep optimizer-wide state (Adam's beta powers) is the package's business;
 # the tests read it through the checkpoint module's one accessor, as the code under test does.
 from torchgrad_compat.checkpoint._bundle import write_bundle
-from torchgrad_compat.checkpoint._tf_checkpoint import _optimizer_wide_state
+from torchgrad_compat.checkpoint._mapping import _optimizer_wide_state
 
 ROOT = Path(__file__).resolve().parents[2]
 FIXTURES = ROOT / "tests" / "fixtures" / "tf_checkpoint"
@@ -1346,11 +1346,11 @@ def test_converter_weights_only_starts_another_optimizer_fresh(tmp_path: Path) -
 def test_a_checkpoint_renamed_over_mid_load_is_not_mixed_in(tmp_path: Path, monkeypatch: Any) -> None:
     """The checks and the copies read the same open files: a new checkpoint saved under the same
     prefix between the two (TF renames its files into place) does not leak into the load."""
-    from torchgrad_compat.checkpoint import _tf_checkpoint
+    from torchgrad_compat.checkpoint import _load
 
     old = {"w": torch.full((1000,), 1.0), "b": torch.full((10,), 1.0)}
     save_tf_checkpoint(tmp_path / "model.ckpt", old)
-    validate = _tf_checkpoint._validate
+    validate = _load._validate
 
     def validate_then_overwrite(*args: Any) -> Any:
         result = validate(*args)
@@ -1359,7 +1359,7 @@ def test_a_checkpoint_renamed_over_mid_load_is_not_mixed_in(tmp_path: Path, monk
         )
         return result
 
-    monkeypatch.setattr(_tf_checkpoint, "_validate", validate_then_overwrite)
+    monkeypatch.setattr(_load, "_validate", validate_then_overwrite)
     loaded = {"w": torch.zeros(1000), "b": torch.zeros(10)}
     load_tf_checkpoint(tmp_path / "model.ckpt", loaded)
     assert torch.equal(loaded["w"], old["w"]) and torch.equal(loaded["b"], old["b"])

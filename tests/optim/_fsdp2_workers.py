@@ -1,4 +1,5 @@
-"""The rank side of tests/optim/test_fsdp2.py: FSDP2, DCP and ZeroRedundancyOptimizer checks in gloo processes.
+"""The rank side of tests/optim/test_fsdp2.py: FSDP2, DCP and ZeroRedundancyOptimizer checks in gloo
+processes.
 
 Each check runs many configurations in one process group, since starting the
 processes is what costs. Every rank trains on the same batch, so FSDP2's

@@ -21,12 +21,8 @@ from torch import nn
 
 import torchgrad_compat.optim as tgo
 from torchgrad_compat.xla import CrossShardOptimizer
-from torchgrad_compat.xla._backend import (
-    DEFAULT_BUCKET_BYTES,
-    FIRST_BUCKET_BYTES,
-    _plan,
-    check_group_assignment,
-)
+from torchgrad_compat.xla._agreement import check_group_assignment
+from torchgrad_compat.xla._reducer import DEFAULT_BUCKET_BYTES, FIRST_BUCKET_BYTES, _plan
 
 TWO_RANK_CHECKS = [
     "full_batch_equivalence",
@@ -269,7 +265,8 @@ def test_torch_xla_single_replica(monkeypatch):
     monkeypatch.setenv("PJRT_DEVICE", "CPU")
     import torch_xla.core.xla_model as xm
 
-    from torchgrad_compat.xla._backend import GradientReducer, XlaCollective
+    from torchgrad_compat.xla._collective import XlaCollective
+    from torchgrad_compat.xla._reducer import GradientReducer
 
     device = xm.xla_device()
     w = nn.Parameter(torch.tensor([1.0, -2.0], device=device))

@@ -62,7 +62,8 @@ def test_reduced_gradients_come_from_the_all_reduce(monkeypatch):
     monkeypatch.setenv("XLA_ALWAYS_ALLREDUCE", "1")
     import torch_xla
 
-    from torchgrad_compat.xla._backend import GradientReducer, XlaCollective
+    from torchgrad_compat.xla._collective import XlaCollective
+    from torchgrad_compat.xla._reducer import GradientReducer
 
     device = torch_xla.device()
     params = [torch.zeros(3, device=device), torch.zeros(2, 2, device=device)]

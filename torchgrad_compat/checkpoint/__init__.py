@@ -37,14 +37,10 @@ Example: a TF Dense layer and its Adam state, out and back in.
 """
 
 from ._bundle import CorruptCheckpointError
+from ._errors import CheckpointMismatchError
+from ._load import LoadInfo, list_tf_checkpoint, load_tf_checkpoint
+from ._save import save_tf_checkpoint
 from ._suggest import AmbiguousVarMapError, SuggestedVarMap, suggest_var_map
-from ._tf_checkpoint import (
-    CheckpointMismatchError,
-    LoadInfo,
-    list_tf_checkpoint,
-    load_tf_checkpoint,
-    save_tf_checkpoint,
-)
 
 __all__ = [
     "AmbiguousVarMapError",

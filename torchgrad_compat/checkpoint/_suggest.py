@@ -14,7 +14,7 @@ import torch
 from torch import Tensor
 
 from ._bundle import BundleReader
-from ._tf_checkpoint import _ATTRIBUTE, _OBJECT_GRAPH, _resolve_prefix
+from ._mapping import _ATTRIBUTE, _OBJECT_GRAPH, _resolve_prefix
 
 __all__ = ["AmbiguousVarMapError", "SuggestedVarMap", "suggest_var_map"]
 

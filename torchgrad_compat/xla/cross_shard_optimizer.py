@@ -12,16 +12,9 @@ import torch
 from torch import Tensor
 
 from ..optim.wrapper import OptimizerWrapper, called_from_dcp_init, check_global_step, check_range
-from ._backend import (
-    DEFAULT_BUCKET_BYTES,
-    FIRST_BUCKET_BYTES,
-    Collective,
-    GradientReducer,
-    check_group_assignment,
-    check_same_on_every_rank,
-    check_same_step_on_every_rank,
-    find_collective,
-)
+from ._agreement import check_group_assignment, check_same_on_every_rank, check_same_step_on_every_rank
+from ._collective import Collective, find_collective
+from ._reducer import DEFAULT_BUCKET_BYTES, FIRST_BUCKET_BYTES, GradientReducer
 
 __all__ = ["CrossShardOptimizer"]
 
