@@ -33,13 +33,12 @@ Named = Mapping[str, Tensor] | Iterable[tuple[str, Tensor] | Tensor | str]
 @dataclass
 class _Average:
     """What the average of one name holds: its shadow and, for a zero-debiased tensor, TF's
-    ``biased`` and ``local_step`` variables (``step`` mirrors ``local_step`` on the host)."""
+    ``biased`` and ``local_step`` variables."""
 
     shadow: Tensor
     variable: Tensor | None  # None: a tensor value (TF's non-Variable input)
     biased: Tensor | None = None
     local_step: Tensor | None = None
-    step: float = 0.0
 
 
 class ExponentialMovingAverage:
@@ -324,11 +323,11 @@ class ExponentialMovingAverage:
         biased, local_step = _local(held.biased), held.local_step
         assert local_step is not None
         biased.sub_((biased - value).mul_(c))
-        held.step = _in_dtype(held.step + 1.0, shadow.dtype)
-        local_step.fill_(held.step)
-        factor = _in_dtype(
-            1.0 - _pow(_in_dtype(1.0 - c, shadow.dtype), held.step, shadow.dtype), shadow.dtype
-        )
+        # The count is read back, not mirrored on the host: DCP loads into local_step in place.
+        step = _in_dtype(float(local_step) + 1.0, shadow.dtype)
+        local_step.fill_(step)
+        power = _in_dtype(_pow(_in_dtype(1.0 - c, shadow.dtype), step, shadow.dtype), shadow.dtype)
+        factor = _in_dtype(1.0 - power, shadow.dtype)
         # A 0-d divisor on the device: CUDA divides by a host scalar as a multiplication by its
         # reciprocal, which rounds otherwise.
         torch.div(biased, torch.full((), factor, dtype=shadow.dtype, device=shadow.device), out=shadow)
@@ -446,7 +445,6 @@ class ExponentialMovingAverage:
                 f"{unknown[:5]}{' …' if len(unknown) > 5 else ''} (this object holds {len(mine)} entries; "
                 "apply the same variables and tensors first)"
             )
-        steps: dict[str, float] = {}
         for key, own in mine.items():
             given = state_dict[key]
             if not isinstance(given, Tensor):
@@ -457,14 +455,9 @@ class ExponentialMovingAverage:
                 step = float(given)
                 if not (step >= 0 and math.isfinite(step) and step == math.floor(step)):
                     raise ValueError(f"load_state_dict: {key!r} is {step!r}, expected a count >= 0")
-                steps[key] = step
         for key, own in mine.items():
             if state_dict[key] is not own:
                 own.copy_(state_dict[key])
-        for name, held in self._averages.items():
-            key = f"{name}/{self._name}/local_step"
-            if key in steps:
-                held.step = steps[key]
 
 
 # ------------------------------------------------------------------------------- helpers
@@ -494,7 +487,8 @@ def _in_dtype(x: float, dtype: torch.dtype) -> float:
 
 
 def _pow(base: float, exponent: float, dtype: torch.dtype) -> float:
-    """TF's 0-d ``pow``: the C library's ``pow`` (float64) or ``powf`` (float32 and narrower)."""
+    """TF's 0-d ``pow``: the C library's ``pow`` (float64) or ``powf`` (float32, and float16/bfloat16
+    before the result is rounded to them)."""
     if dtype == torch.float64:
         return math.pow(base, exponent)
     return _float32.pow(base, exponent)
