@@ -456,6 +456,28 @@ def test_bad_input_to_apply_changes_nothing(var_list, tensors, exc, match):
     assert set(ema.state_dict()) == set(before)
 
 
+def test_repeated_applies_see_new_data_and_renamed_tensors():
+    a, b = torch.ones(3), torch.ones(3)
+    ema = ExponentialMovingAverage(0.5)
+    ema.apply({"a": a, "b": b})
+    ema.apply([a, b])
+    a.data = torch.full((3,), 3.0)  # new storage, same shape: read, not a stale view
+    ema.apply([a, b])
+    assert torch.equal(ema.average(a), torch.full((3,), 2.0))
+    a.data = torch.ones(4)
+    with pytest.raises(ValueError, match=r"var_list\['a'\].*shape=\(4,\)"):
+        ema.apply([a, b])
+    assert torch.equal(ema.average("a"), torch.full((3,), 2.0))
+    a.data = torch.ones(3)
+    ema.apply([a, b])
+    c = torch.full((3,), 4.0)
+    ema.apply({"a": c, "b": b})  # the name now belongs to c
+    assert torch.equal(ema.average(c), torch.full((3,), 2.75))
+    assert ema.average(a) is None
+    with pytest.raises(TypeError, match=r"var_list\[0\].*no name"):
+        ema.apply([a, b])
+
+
 def test_a_decay_tensor_gone_out_of_range_is_refused_at_apply():
     decay = torch.tensor(0.5)
     v = torch.ones(2)

@@ -149,6 +149,8 @@ class ExponentialMovingAverage:
         self._averages: dict[str, _Average] = {}
         self._name_of: dict[int, str] = {}  # id(variable) -> name; the variable is held in _averages
         self._swapped = False
+        # (ids of the tensors of the last apply, in order; their averages), when all were tensors.
+        self._last: tuple[tuple[int, ...], list[_Average]] | None = None
 
     @property
     def name(self) -> str:
@@ -183,7 +185,18 @@ class ExponentialMovingAverage:
                 "ExponentialMovingAverage.apply inside swapped(): the variables hold the averages "
                 "now; apply after the with block, when the trained values are back"
             )
-        variables = self._named_variables(var_list, "var_list")
+        entries = _entries(var_list, "var_list")
+        last = self._last
+        if (
+            tensors is None
+            and last is not None
+            and last[0] == tuple(map(id, entries))
+            and all(map(_fits, entries, last[1]))
+        ):
+            # The tensors of the last call again, unchanged: their names and shadows are known.
+            self._update(list(zip(last[1], entries, strict=True)), _RateOf(self._one_minus_decay()))
+            return
+        variables = self._named_variables(entries, "var_list")
         values = dict(_pairs(tensors, "tensors")) if tensors is not None else {}
         for name, value in values.items():
             if name in variables:
@@ -197,16 +210,17 @@ class ExponentialMovingAverage:
             self._hold(name, value, variable=False)
         rate = _RateOf(c32)
         averages = self._averages
-        self._update([(averages[name], value) for name, value in variables.items()], rate)
+        helds = [averages[name] for name in variables]
+        self._update(list(zip(helds, variables.values(), strict=True)), rate)
+        if all(isinstance(e, Tensor) for e in entries):
+            self._last = (tuple(map(id, entries)), helds)
         for name, value in values.items():
             self._update_tensor(averages[name], value, rate)
 
-    def _named_variables(self, var_list: Named, arg: str) -> dict[str, Tensor]:
-        if isinstance(var_list, Tensor) or isinstance(var_list, str):
-            raise TypeError(f"{arg} must be a collection of tensors, got {describe(var_list)}")
+    def _named_variables(self, entries: list[Any], arg: str) -> dict[str, Tensor]:
         out: dict[str, Tensor] = {}
         averages = self._averages
-        for name, value in self._resolve(var_list, arg, new_ok=True):
+        for name, value in self._resolve(entries, arg, new_ok=True):
             if name in out:
                 raise ValueError(f"apply: {arg} names {name!r} twice")
             held = averages.get(name)
@@ -216,13 +230,8 @@ class ExponentialMovingAverage:
             out[name] = value
         return out
 
-    def _resolve(self, var_list: Named, arg: str, *, new_ok: bool) -> Iterator[tuple[str, Tensor]]:
+    def _resolve(self, entries: list[Any], arg: str, *, new_ok: bool) -> Iterator[tuple[str, Tensor]]:
         """(name, variable) for each entry: a pair, a map item, a held tensor or a held name."""
-        items = var_list.items() if isinstance(var_list, Mapping) else var_list
-        try:
-            entries = list(items)
-        except TypeError:
-            raise TypeError(f"{arg} must be a collection of tensors, got {describe(var_list)}") from None
         name_of = self._name_of
         for i, entry in enumerate(entries):
             if isinstance(entry, Tensor):
@@ -292,6 +301,7 @@ class ExponentialMovingAverage:
             # A name re-pointed to another tensor of the same shape (a model built again).
             if held.variable is not None:
                 self._name_of.pop(id(held.variable), None)
+                self._last = None
             held.variable = value
         if variable:
             self._name_of[id(value)] = name
@@ -389,7 +399,8 @@ class ExponentialMovingAverage:
         if moving_avg_variables is None:
             pairs = [(n, h.variable) for n, h in self._averages.items() if h.variable is not None]
         else:
-            pairs = list(self._resolve(moving_avg_variables, "moving_avg_variables", new_ok=False))
+            entries = _entries(moving_avg_variables, "moving_avg_variables")
+            pairs = list(self._resolve(entries, "moving_avg_variables", new_ok=False))
         return {f"{name}/{self._name}": var for name, var in pairs}
 
     @contextlib.contextmanager
@@ -406,7 +417,7 @@ class ExponentialMovingAverage:
         if var_list is None:
             names = [n for n, h in self._averages.items() if h.variable is not None]
         else:
-            names = [n for n, _ in self._resolve(var_list, "var_list", new_ok=False)]
+            names = [n for n, _ in self._resolve(_entries(var_list, "var_list"), "var_list", new_ok=False)]
             for n in names:
                 if self._averages[n].variable is None:
                     raise KeyError(f"swapped: {n!r} is averaged as a tensor; there is no variable to swap")
@@ -575,6 +586,15 @@ def _local(t: Tensor) -> Tensor:
 
 def _layout(t: Tensor) -> str:
     return f"placements {t.placements}" if isinstance(t, DTensor) else "a plain tensor"
+
+
+def _entries(var_list: Any, arg: str) -> list[Any]:
+    if isinstance(var_list, (Tensor, str)):
+        raise TypeError(f"{arg} must be a collection of tensors, got {describe(var_list)}")
+    try:
+        return list(var_list.items() if isinstance(var_list, Mapping) else var_list)
+    except TypeError:
+        raise TypeError(f"{arg} must be a collection of tensors, got {describe(var_list)}") from None
 
 
 def _fits(value: Any, held: _Average) -> bool:
