@@ -151,6 +151,7 @@ class ExponentialMovingAverage:
         self._swapped = False
         # (ids of the tensors of the last apply, in order; their averages), when all were tensors.
         self._last: tuple[tuple[int, ...], list[_Average]] | None = None
+        self._rate: _RateOf | None = None
 
     @property
     def name(self) -> str:
@@ -194,7 +195,7 @@ class ExponentialMovingAverage:
             and all(map(_fits, entries, last[1]))
         ):
             # The tensors of the last call again, unchanged: their names and shadows are known.
-            self._update(list(zip(last[1], entries, strict=True)), _RateOf(self._one_minus_decay()))
+            self._update(list(zip(last[1], entries, strict=True)), self._rate_of(self._one_minus_decay()))
             return
         variables = self._named_variables(entries, "var_list")
         values = dict(_pairs(tensors, "tensors")) if tensors is not None else {}
@@ -208,7 +209,7 @@ class ExponentialMovingAverage:
             self._hold(name, value, variable=True)
         for name, value in values.items():
             self._hold(name, value, variable=False)
-        rate = _RateOf(c32)
+        rate = self._rate_of(c32)
         averages = self._averages
         helds = [averages[name] for name in variables]
         self._update(list(zip(helds, variables.values(), strict=True)), rate)
@@ -314,6 +315,12 @@ class ExponentialMovingAverage:
             n = _num_updates_float32(_check_num_updates(self._num_updates))
             d = _float32.minimum(d, _float32.div(_float32.add(1.0, n), _float32.add(10.0, n)))
         return _float32.sub(1.0, d)
+
+    def _rate_of(self, c32: float) -> _RateOf:
+        # Kept while the rate stays (a constant decay, or num_updates past the decay's ratio).
+        if self._rate is None or self._rate.c32 != c32:
+            self._rate = _RateOf(c32)
+        return self._rate
 
     def _update(self, pairs: list[tuple[_Average, Tensor]], rate: _RateOf) -> None:
         """The variables' update, ``s - (s - v)c`` rounded op by op: the reference loop, or foreach
@@ -499,17 +506,22 @@ class _RateOf:
     """TF's ``1 - decay`` (float32) cast to each shadow dtype, as a Python number exact in it."""
 
     def __init__(self, c32: float):
-        self._c32 = c32
+        self.c32 = c32
         self._of: dict[torch.dtype, float] = {}
+        self._tensors: dict[tuple[torch.dtype, torch.device], Tensor] = {}
 
     def of(self, dtype: torch.dtype) -> float:
         c = self._of.get(dtype)
         if c is None:
-            c = self._of[dtype] = float(torch.tensor(self._c32, dtype=torch.float32).to(dtype))
+            c = self._of[dtype] = float(torch.tensor(self.c32, dtype=torch.float32).to(dtype))
         return c
 
     def tensor(self, dtype: torch.dtype, device: torch.device) -> Tensor:
-        return torch.full((), self.of(dtype), dtype=dtype, device=device)
+        """``of(dtype)`` as a 0-d tensor on ``device`` (only read: the foreach multiplications')."""
+        c = self._tensors.get((dtype, device))
+        if c is None:
+            c = self._tensors[dtype, device] = torch.full((), self.of(dtype), dtype=dtype, device=device)
+        return c
 
 
 def _in_dtype(x: float, dtype: torch.dtype) -> float:
@@ -610,7 +622,8 @@ def _fits(value: Any, held: _Average) -> bool:
         return False
     if held.sharded:
         return isinstance(value, DTensor) and value.placements == shadow.placements
-    return not isinstance(value, DTensor)
+    kind = type(value)
+    return kind is Tensor or kind is torch.nn.Parameter or not isinstance(value, DTensor)
 
 
 def _batches(tensors: list[Tensor]) -> Iterator[tuple[int, int]]:
