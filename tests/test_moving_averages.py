@@ -399,6 +399,12 @@ def test_bad_arguments_are_refused_by_name(kwargs, exc, match):
         ExponentialMovingAverage(**kwargs)
 
 
+_A = torch.ones(2)
+_X = torch.zeros(2)
+_SAME_TWICE = {"x": _X, "y": _X}
+_A_AS_B = {"b": _A}
+
+
 @pytest.mark.parametrize(
     "var_list, tensors, exc, match",
     [
@@ -432,6 +438,8 @@ def test_bad_arguments_are_refused_by_name(kwargs, exc, match):
         ),
         (torch.zeros(2), None, TypeError, "var_list must be a collection"),
         ({"b": torch.zeros(2)}, [torch.zeros(2)], TypeError, "tensors must be a mapping"),
+        (_SAME_TWICE, None, ValueError, r"var_list\['y'\] is the tensor averaged as 'x'"),
+        (_A_AS_B, None, ValueError, r"var_list\['b'\] is the tensor averaged as 'a'"),
     ],
     ids=[
         "int",
@@ -444,11 +452,13 @@ def test_bad_arguments_are_refused_by_name(kwargs, exc, match):
         "tensor_as_variable",
         "tensor",
         "list",
+        "same_tensor_twice",
+        "a_as_b",
     ],
 )
 def test_bad_input_to_apply_changes_nothing(var_list, tensors, exc, match):
     ema = ExponentialMovingAverage(0.5, zero_debias=True)
-    ema.apply({"a": torch.ones(2), "m": torch.ones(2)}, tensors={"t": torch.ones(2)})
+    ema.apply({"a": _A, "m": torch.ones(2)}, tensors={"t": torch.ones(2)})
     before = _snapshot(ema)
     with pytest.raises(exc, match=match):
         ema.apply(var_list, tensors=tensors)
@@ -528,6 +538,13 @@ def _dtensor_worker(rank: int, world: int, port: int, results: Any) -> None:
         for n in full:
             gathered = ema_sharded.average(n).full_tensor()
             assert torch.equal(gathered, ema_plain.average(n)), n
+        before = {k: v.full_tensor() for k, v in ema_sharded.state_dict().items()}
+        try:
+            ema_sharded.load_state_dict({k: v.full_tensor() for k, v in ema_sharded.state_dict().items()})
+            raise AssertionError("a plain tensor was loaded into a DTensor shadow")
+        except ValueError as e:
+            assert "expected placements" in str(e), e
+        assert all(torch.equal(v.full_tensor(), before[k]) for k, v in ema_sharded.state_dict().items())
         with ema_sharded.swapped():
             assert torch.equal(sharded["w"].full_tensor(), ema_plain.average("w"))
         assert torch.equal(sharded["w"].full_tensor(), plain["w"])

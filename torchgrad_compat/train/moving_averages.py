@@ -92,7 +92,7 @@ class ExponentialMovingAverage:
         3. Bad input is refused before anything changes, with an error naming
            it: ``decay`` outside [0, 1] or not finite, a negative
            ``num_updates``, a value whose shape or dtype differs from its shadow.
-        4. ``name`` is a prefix of the names only; ``variables_to_restore``
+        4. ``name`` only names (the shadows' suffix); ``variables_to_restore``
            maps the averaged variables alone (TF adds the graph's other ones).
 
     Differences from ``torch.optim.swa_utils.AveragedModel`` with
@@ -220,6 +220,7 @@ class ExponentialMovingAverage:
 
     def _named_variables(self, entries: list[Any], arg: str) -> dict[str, Tensor]:
         out: dict[str, Tensor] = {}
+        seen: dict[int, str] = {}
         averages = self._averages
         for name, value in self._resolve(entries, arg, new_ok=True):
             if name in out:
@@ -228,6 +229,12 @@ class ExponentialMovingAverage:
             # The full check (and its message) only where the quick one does not pass.
             if held is None or held.variable is None or not _fits(value, held):
                 self._check_value(f"{arg}[{name!r}]", name, value, variable=True)
+            # One shadow per tensor, as TF keeps one per variable.
+            other = seen.setdefault(id(value), self._name_of.get(id(value), name))
+            if other != name:
+                raise ValueError(
+                    f"apply: {arg}[{name!r}] is the tensor averaged as {other!r} (one tensor, one average)"
+                )
             out[name] = value
         return out
 
@@ -413,7 +420,8 @@ class ExponentialMovingAverage:
     @contextlib.contextmanager
     def swapped(self, var_list: Named | None = None) -> Iterator[None]:
         """Within the ``with`` block the variables (all averaged ones, or ``var_list``) hold their
-        averages; on leaving it, even by an exception, their trained values are back.
+        averages; on leaving it, even by an exception, their trained values are back (a copy of
+        them is kept meanwhile).
 
         Raises:
             KeyError: an entry of ``var_list`` is not a variable averaged here.
@@ -490,6 +498,8 @@ class ExponentialMovingAverage:
                 raise TypeError(f"load_state_dict: {key!r} must be a tensor, got {describe(given)}")
             if given.shape != own.shape or given.dtype != own.dtype:
                 raise ValueError(f"load_state_dict: {key!r} is {describe(given)}, expected {describe(own)}")
+            if isinstance(given, DTensor) != isinstance(own, DTensor):
+                raise ValueError(f"load_state_dict: {key!r} is {_layout(given)}, expected {_layout(own)}")
             if key.endswith("/local_step"):
                 step = float(given)
                 if not (step >= 0 and math.isfinite(step) and step == math.floor(step)):
