@@ -14,14 +14,14 @@ cases, a fed tensor ``moments/mean`` (TF's non-Variable input: its shadow starts
 at zero, and is debiased with ``zero_debias=True``). The shadows start from the
 variables' initial values (TF's initializer). Cases: with and without
 ``num_updates=global_step`` (from 0, and from 2**24 + 1, where the cast to
-float32 rounds), ``zero_debias``, float32, float64 and float16.
+float32 rounds), ``zero_debias``, float32, float64, float16 and bfloat16.
 
 Output, deterministic: ``ema.json`` with ``tf_version`` and ``cases``: ``id``,
 ``dtype``, the constructor's ``kwargs``, ``optimizer``, ``global_step0``, the
 initial ``variables``, per step the fed ``grads`` and ``tensor`` and the values
 after the step (``variables``, ``averages`` and, for zero debiasing, ``biased``
-and ``local_step``) as flat lists of floats (exact: every float32, float16 and
-float64 is a double), and TF's names: ``average_names``,
+and ``local_step``) as flat lists of floats (exact: every float32, float16,
+bfloat16 and float64 is a double), and TF's names: ``average_names``,
 ``variables_to_restore`` (its keys for the trainable variables) and the graph's
 ``global_variables``.
 """
@@ -75,15 +75,16 @@ def build_cases() -> list[dict[str, Any]]:
                 "optimizer": "GradientDescent",
             },
         ]
-    cases.append(
-        {
-            "id": "decay_float16",
-            "dtype": "float16",
-            "kwargs": {"decay": 0.99, "zero_debias": True},
-            "tensor": True,
-            "optimizer": "GradientDescent",
-        }
-    )
+    for dtype in ("float16", "bfloat16"):
+        cases.append(
+            {
+                "id": f"decay_{dtype}",
+                "dtype": dtype,
+                "kwargs": {"decay": 0.99, "zero_debias": True},
+                "tensor": True,
+                "optimizer": "GradientDescent",
+            }
+        )
     for case in cases:
         case.setdefault("tensor", False)
         case.setdefault("optimizer", "Momentum")
@@ -96,7 +97,7 @@ def flat(a: Any) -> list[float]:
 
 
 def run(case: dict[str, Any], seed: int) -> dict[str, Any]:
-    dtype = case["dtype"]
+    dtype = tf.as_dtype(case["dtype"]).as_numpy_dtype  # bfloat16: ml_dtypes' type
     rng = np.random.default_rng(seed)
     initial = {n: rng.standard_normal(s).astype(dtype) for n, s in SHAPES.items()}
     grads = [{n: rng.standard_normal(s).astype(dtype) for n, s in SHAPES.items()} for _ in range(STEPS)]

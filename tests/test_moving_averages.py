@@ -20,7 +20,12 @@ GENERATOR = Path(__file__).parents[1] / "scripts" / "make_tf_ema_fixtures.py"
 FIXTURE = json.loads((FIXTURES / "ema.json").read_text())
 CASES = {case["id"]: case for case in FIXTURE["cases"]}
 TENSOR = "moments/mean"
-DTYPES = {"float16": torch.float16, "float32": torch.float32, "float64": torch.float64}
+DTYPES = {
+    "bfloat16": torch.bfloat16,
+    "float16": torch.float16,
+    "float32": torch.float32,
+    "float64": torch.float64,
+}
 
 
 def _tensor(values: list[float], shape: list[int], dtype: torch.dtype) -> torch.Tensor:
@@ -55,9 +60,9 @@ class _Run:
         self.ema.apply(self.variables)
 
     def step(self, record: dict[str, Any]) -> None:
-        if self.dtype == torch.float16:
-            # The optimizers' float16 steps are not TF's bit for bit (their parity is float32 and
-            # float64): the EMA averages TF's own variables here.
+        if self.dtype in (torch.float16, torch.bfloat16):
+            # The optimizers' half-precision steps are not TF's bit for bit (their parity is
+            # float32 and float64): the EMA averages TF's own variables here.
             with torch.no_grad():
                 for n, v in self.variables.items():
                     v.copy_(_tensor(record["variables"][n], v.shape, self.dtype))
