@@ -1,5 +1,5 @@
 """TensorFlow v1's training helpers (``tf.compat.v1.train``) with TF's exact numbers: learning-rate
-decays and gradient clipping."""
+decays, gradient clipping and exponential moving averages."""
 
 from .clip_ops import (
     clip_by_global_norm,
@@ -22,10 +22,12 @@ from .learning_rate_decay import (
     piecewise_constant,
     polynomial_decay,
 )
+from .moving_averages import ExponentialMovingAverage
 from .scheduler import DecayLR
 
 __all__ = [
     "DecayLR",
+    "ExponentialMovingAverage",
     "LearningRateDecay",
     "clip_by_global_norm",
     "clip_by_global_norm_",

@@ -1,0 +1,162 @@
+"""Time one update of ``train.ExponentialMovingAverage`` beside torch's exponential moving averages.
+
+    python scripts/bench_ema.py --quick
+    python scripts/bench_ema.py --workload 10M --repeats 50 --threads 1
+
+Four updates of copies of the same float32 averages towards the same
+parameters, at decay 0.999: ours with ``foreach=True`` (the default) and
+``foreach=False`` (the reference loop), ``torch.optim.swa_utils.AveragedModel``
+with ``get_ema_multi_avg_fn(0.999)`` (``update_parameters``, which lerps its
+copy of the parameters towards them with ``torch._foreach_lerp_``), and a bare
+``torch._foreach_lerp_`` over the two lists, the least work any exponential
+moving average does. Ours rounds TF's way, ``s - (s - v) * (1 - decay)`` in
+three operations, where ``lerp`` makes one fused multiply-add: the same
+average up to the last bits, in about a third of the arithmetic.
+
+Beside them, in the same repeats, a physical floor: one ``copy_`` over the
+bytes one update must move (it reads the averages and the parameters and writes
+the averages: 3 × 4 bytes per parameter).
+
+All are timed in turn within each repeat, so that load from other processes
+falls on all of them alike; the table gives the median milliseconds per update
+after the warm-up updates, the spread (interquartile range / median), and the
+ratios ours / torch. ``--clock cpu`` times the process's CPU time instead of
+the wall clock: on a machine shared with other work, the time this process
+waits for a core is then left out (with several threads, their times add up).
+The output is a Markdown table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from collections.abc import Callable
+
+import torch
+from torch import Tensor
+from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
+
+from torchgrad_compat.train import ExponentialMovingAverage
+
+DECAY = 0.999
+# name -> (number of tensors, elements per tensor)
+WORKLOADS: dict[str, tuple[int, int]] = {"1M": (100, 10_000), "10M": (1000, 10_000)}
+# The target: ours within this factor of AveragedModel's update.
+TARGET = 1.0
+NAMES = ("ours foreach", "ours loop", "AveragedModel", "_foreach_lerp_", "copy floor")
+
+
+def make_params(workload: str, seed: int) -> list[Tensor]:
+    count, size = WORKLOADS[workload]
+    gen = torch.Generator().manual_seed(seed)
+    return [torch.randn(size, generator=gen) for _ in range(count)]
+
+
+def updates(params: list[Tensor]) -> list[Callable[[], object]]:
+    """The five timed calls, in NAMES' order, each over its own averages of ``params``."""
+    named = {f"p{i}": p for i, p in enumerate(params)}
+    ours = ExponentialMovingAverage(DECAY)
+    ours.apply(named)
+    loop = ExponentialMovingAverage(DECAY, foreach=False)
+    loop.apply(named)
+    module = torch.nn.ParameterList([torch.nn.Parameter(p, requires_grad=False) for p in params])
+    averaged = AveragedModel(module, multi_avg_fn=get_ema_multi_avg_fn(DECAY), use_buffers=False)
+    averaged.update_parameters(module)  # the first call copies the parameters
+    shadows = [p.clone() for p in params]
+    src = torch.empty(sum(p.numel() for p in params) * 3 // 2).normal_()
+    dst = torch.empty_like(src)
+    return [
+        lambda: ours.apply(params),
+        lambda: loop.apply(params),
+        lambda: averaged.update_parameters(module),
+        lambda: torch._foreach_lerp_(shadows, params, 1 - DECAY),
+        lambda: dst.copy_(src),
+    ]
+
+
+def time_calls(
+    calls: list[Callable[[], object]], warmup: int, repeats: int, clock: Callable[[], float]
+) -> list[list[float]]:
+    """Milliseconds of each call of each ``calls[i]`` after ``warmup``, calling them in turn every repeat."""
+    times: list[list[float]] = [[] for _ in calls]
+    for repeat in range(warmup + repeats):
+        for call, samples in zip(calls, times, strict=True):
+            start = clock()
+            call()
+            elapsed = (clock() - start) * 1e3
+            if repeat >= warmup:
+                samples.append(elapsed)
+    return times
+
+
+def spread(samples: list[float]) -> float:
+    """Interquartile range over the median."""
+    q1, _, q3 = statistics.quantiles(samples, n=4)
+    return (q3 - q1) / statistics.median(samples)
+
+
+def format_table(rows: list[tuple[str, list[list[float]]]]) -> str:
+    lines = [
+        "| workload | " + " | ".join(f"{n} (spread)" for n in NAMES) + " | ours / AveragedModel "
+        "| ours / _foreach_lerp_ | floor % of ours |",
+        "|---|" + "---:|" * (len(NAMES) + 3),
+    ]
+    for workload, times in rows:
+        medians = [statistics.median(t) for t in times]
+        cells = [f"{m:.2f} ({spread(t):.0%})" for m, t in zip(medians, times, strict=True)]
+        ours, averaged, lerp, floor = medians[0], medians[2], medians[3], medians[4]
+        vs_averaged = f"{ours / averaged:.2f}x"
+        if ours / averaged > TARGET:
+            vs_averaged = f"**{vs_averaged}**"
+        lines.append(
+            f"| {workload} | "
+            + " | ".join(cells)
+            + f" | {vs_averaged} | {ours / lerp:.2f}x | {floor / ours:.0%} |"
+        )
+    return "\n".join(lines)
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--workload", nargs="+", choices=list(WORKLOADS), default=list(WORKLOADS))
+    parser.add_argument("--repeats", type=int, default=30, help="timed updates of each")
+    parser.add_argument("--warmup", type=int, default=5, help="untimed updates first")
+    parser.add_argument("--quick", action="store_true", help="3 warm-up and 10 timed updates")
+    parser.add_argument("--threads", type=int, default=None, help="torch.set_num_threads")
+    parser.add_argument("--clock", choices=["wall", "cpu"], default="wall", help="what is timed")
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args(argv)
+    if args.quick:
+        args.warmup, args.repeats = 3, 10
+    if args.repeats < 2 or args.warmup < 0:
+        parser.error(f"--repeats must be >= 2 and --warmup >= 0, got {args.repeats} and {args.warmup}")
+    if args.threads is not None and args.threads < 1:
+        parser.error(f"--threads must be >= 1, got {args.threads}")
+    return args
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    if args.threads is not None:
+        torch.set_num_threads(args.threads)
+    rows = []
+    for workload in args.workload:
+        params = make_params(workload, args.seed)
+        clock = time.perf_counter if args.clock == "wall" else time.process_time
+        rows.append((workload, time_calls(updates(params), args.warmup, args.repeats, clock)))
+    count_size = ", ".join(
+        f"{w}: {c} tensors of {s:,}" for w, (c, s) in WORKLOADS.items() if w in args.workload
+    )
+    print(
+        f"\nfloat32 on the CPU ({torch.get_num_threads()} threads), torch {torch.__version__}, decay "
+        f"{DECAY} ({count_size}): median ms ({args.clock} clock) per update over "
+        f" {args.repeats} updates after "
+        f"{args.warmup} warm-up updates. Floor: one copy_ of the bytes one update moves; bold: "
+        f"ours above {TARGET}x AveragedModel's.\n"
+    )
+    print(format_table(rows))
+
+
+if __name__ == "__main__":
+    main()
