@@ -1,4 +1,4 @@
-"""Write the TensorFlow ground truth that tests/test_moving_averages.py checks the EMA against.
+"""Write the TensorFlow ground truth that tests/train/test_moving_averages.py checks the EMA against.
 
 Run with an interpreter that has TensorFlow (no torch needed)::
 

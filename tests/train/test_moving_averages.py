@@ -15,8 +15,8 @@ from _procs import init_gloo, run_ranks
 from torchgrad_compat import optim, train
 from torchgrad_compat.train import ExponentialMovingAverage
 
-FIXTURES = Path(__file__).parent / "fixtures" / "train"
-GENERATOR = Path(__file__).parents[1] / "scripts" / "make_tf_ema_fixtures.py"
+FIXTURES = Path(__file__).parents[1] / "fixtures" / "train"
+GENERATOR = Path(__file__).parents[2] / "scripts" / "make_tf_ema_fixtures.py"
 FIXTURE = json.loads((FIXTURES / "ema.json").read_text())
 CASES = {case["id"]: case for case in FIXTURE["cases"]}
 TENSOR = "moments/mean"
