@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from torchgrad_compat import amp, optim, train
+from torchgrad_compat.train import _eigen_sum
 
 FIXTURES = Path(__file__).parent / "fixtures" / "train"
 GENERATOR = Path(__file__).parents[1] / "scripts" / "make_tf_clip_fixtures.py"
@@ -247,3 +248,70 @@ def test_generator_reproduces_the_fixtures(run_tf_generator) -> None:
         assert sorted(fresh.files) == sorted(ARRAYS)
         for key, value in ARRAYS.items():
             np.testing.assert_array_equal(fresh[key], value, err_msg=key)
+
+
+def eigen_order_sum(x: np.ndarray, lanes: int) -> np.floating:
+    """Eigen's full sum of the 1-d ``x``, written out (numpy adds in ``x``'s dtype; ``accumulate``
+    adds the rows one after another): the specification the batched sums are checked against."""
+
+    def summed(first: int, count: int) -> np.floating:
+        if count > lanes * 1024:  # halves split at a packet boundary, summed apart, then added
+            split = lanes * -(-(first + -(-count // 2)) // lanes)
+            left = min(split - first, count)
+            total = x.dtype.type(0) + summed(first, left)
+            return total + summed(split, count - left) if left < count else total
+        leaf, block = x[first : first + count], 4 * lanes
+        blocks = count // block
+        packet = np.zeros(lanes, x.dtype)
+        if blocks:  # four packet accumulators, each lane adding the blocks in turn, then folded
+            a = np.add.accumulate(leaf[: blocks * block].reshape(blocks, block), axis=0)[-1]
+            packet = ((a[:lanes] + a[lanes : 2 * lanes]) + a[2 * lanes : 3 * lanes]) + a[3 * lanes :]
+        vectorized = count // lanes * lanes
+        for j in range(blocks * block, vectorized, lanes):
+            packet = packet + leaf[j : j + lanes]
+        tail = x.dtype.type(0)
+        for j in range(vectorized, count):
+            tail = tail + leaf[j]
+        while len(packet) > 1:
+            packet = packet[: len(packet) // 2] + packet[len(packet) // 2 :]
+        return tail + packet[0]
+
+    return summed(0, len(x))
+
+
+SIZES = [
+    [7, 31, 32, 100, 1000, 4095, 4097, 8191, 8192, 8193, 10000, 100003, 0, 1],
+    [10000] * 30,
+    [33] * 40 + [70000] * 3 + [5],
+    [3_000_000],  # more than one piece of work
+]
+
+
+@pytest.mark.parametrize("rows_at_once", [2, 16])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("sizes", SIZES, ids=lambda s: f"{len(s)}_tensors")
+def test_batched_sums_add_in_eigens_order(sizes, dtype, rows_at_once, monkeypatch):
+    """Every path (one torch.sum for up to 16 rows, or one addition per call) gives Eigen's bits."""
+    monkeypatch.setattr(_eigen_sum, "_rows_at_once", lambda device: rows_at_once)
+    gen = torch.Generator().manual_seed(len(sizes))
+    tensors = [torch.randn(n, generator=gen, dtype=dtype) * 3 for n in sizes]
+    lanes = _eigen_sum.PACKET[dtype]
+    got = _eigen_sum.eigen_sums(tensors, square=True).numpy()
+    want = [eigen_order_sum((t * t).numpy(), lanes) for t in tensors]
+    np.testing.assert_array_equal(got, np.array(want, dtype=got.dtype))
+    halves = torch.rand(len(sizes) * 37, generator=gen, dtype=dtype)
+    assert _eigen_sum.eigen_sums([halves], square=False).item() == eigen_order_sum(halves.numpy(), lanes)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_torch_sums_up_to_16_rows_in_sequence(dtype):
+    """What the batched sums rely on (train/_eigen_sum.py): torch's CPU sum over the first dimension
+    of rows of 256 bytes adds the rows one after another, on every thread count."""
+    gen = torch.Generator().manual_seed(0)
+    for columns in (64 if dtype == torch.float32 else 32, 6400):
+        for rows in (2, 7, 15, 16):
+            x = torch.rand(rows, columns, generator=gen, dtype=dtype).mul_(1e4).square_()
+            sequential = x[0].clone()
+            for row in x[1:]:
+                sequential += row
+            assert torch.equal(x.sum(0), sequential), (columns, rows)
