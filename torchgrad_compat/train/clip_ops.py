@@ -33,6 +33,7 @@ with the others); ``name`` is accepted and unused.
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Iterable, Sequence
 from typing import Any
 
@@ -55,11 +56,11 @@ def global_norm(t_list: Sequence[Tensor | None], name: str | None = None) -> Ten
         TypeError: ``t_list`` is not a sequence of tensors (or None), or mixes dtypes.
         ValueError: ``t_list`` holds no tensor.
     """
-    return _global_norm(_values_of(t_list))
+    return _global_norm(_values_of(t_list), t_list)
 
 
-def _global_norm(entries: list[Tensor | None]) -> Tensor:
-    """:func:`global_norm` of the dense values of ``t_list``'s entries (None skipped)."""
+def _global_norm(entries: list[Tensor | None], t_list: Sequence[Tensor | None]) -> Tensor:
+    """:func:`global_norm` of ``t_list``, whose entries' values are ``entries`` (None skipped)."""
     values = [v for v in entries if v is not None]
     if not values:
         raise ValueError("Invalid t_list value: it holds no tensor (only None entries, or none at all)")
@@ -69,7 +70,8 @@ def _global_norm(entries: list[Tensor | None]) -> Tensor:
             f"t_list must hold tensors of one dtype, as TF's global_norm stacks them: got {dtypes}"
         )
     # TF's l2_loss of each tensor, then reduce_sum of the stacked halves: Eigen's order again.
-    half_squared_norms = _sums_of_squares(values) * 0.5
+    half_squared_norms = _summed_over_shards(_sums_of_squares(values), [t for t in t_list if t is not None])
+    half_squared_norms = half_squared_norms * 0.5
     return sqrt(_eigen_sum(half_squared_norms) * 2.0)
 
 
@@ -102,7 +104,7 @@ def clip_by_global_norm(
     """
     values = _values_of(t_list)
     _check_clip_norm(clip_norm)
-    norm = _global_norm(values) if use_norm is None else _norm_tensor(use_norm, values)
+    norm = _global_norm(values, t_list) if use_norm is None else _norm_tensor(use_norm, values)
     clipped = _scale_all(values, _scale(norm, clip_norm), in_place=False)
     return [_like(t, c) for t, c in zip(t_list, clipped, strict=True)], norm
 
@@ -128,7 +130,7 @@ def clip_by_global_norm_(
     if not grads:
         raise ValueError("Invalid parameters value: no parameter has a gradient to clip")
     values = _values_of(grads)
-    norm = _global_norm(values) if use_norm is None else _norm_tensor(use_norm, values)
+    norm = _global_norm(values, grads) if use_norm is None else _norm_tensor(use_norm, values)
     with torch.no_grad():
         _scale_all(values, _scale(norm, clip_norm), in_place=True)
     return norm
@@ -189,9 +191,17 @@ def _values_of(t_list: Any) -> list[Tensor | None]:
 
 
 def _value_of(arg: str, t: Any) -> Tensor:
-    """A dense tensor itself; a sparse COO tensor's values as stored."""
+    """A dense tensor itself; a sparse COO tensor's values as stored; a DTensor's local shard."""
     if not isinstance(t, Tensor) or not t.is_floating_point():
         raise TypeError(f"{arg} must be a floating tensor, got {_describe(t)}")
+    dtensor = _dtensor_class()
+    if dtensor is not None and isinstance(t, dtensor):
+        if any(p.is_partial() for p in t.placements):
+            raise ValueError(
+                f"Invalid {arg} value: a DTensor with placements {t.placements}; its local tensors "
+                "are partial sums: redistribute it to Shard or Replicate placements first"
+            )
+        return _value_of(arg, t.to_local())
     if t.layout == torch.sparse_coo:
         # The rows as given (uncoalesced): TF counts an IndexedSlices' duplicate rows apart.
         return sparse_values(t)
@@ -201,8 +211,15 @@ def _value_of(arg: str, t: Any) -> Tensor:
 
 
 def _like(t: Tensor | None, values: Tensor | None) -> Tensor | None:
-    """``values`` in ``t``'s form: a sparse COO tensor gets ``t``'s indices back."""
-    if t is None or values is None or t.layout != torch.sparse_coo:
+    """``values`` in ``t``'s form: a sparse COO tensor gets ``t``'s indices back, a DTensor its
+    mesh and placements."""
+    if t is None or values is None:
+        return values
+    dtensor = _dtensor_class()
+    if dtensor is not None and isinstance(t, dtensor):
+        local = _like(t.to_local(), values)
+        return dtensor.from_local(local, t.device_mesh, t.placements, shape=t.shape, stride=t.stride())
+    if t.layout != torch.sparse_coo:
         return values
     return torch.sparse_coo_tensor(sparse_indices(t), values, t.shape, is_coalesced=t.is_coalesced())
 
@@ -289,6 +306,37 @@ def _scale_all(values: list[Tensor | None], scale: Tensor, *, in_place: bool) ->
             for i, product in zip(members, torch._foreach_mul(tensors, factor), strict=True):
                 out[i] = product
     return out
+
+
+def _dtensor_class() -> type | None:
+    """torch's DTensor class, or None while ``torch.distributed.tensor`` is not imported (then no
+    DTensor exists, and the import, which is slow, is not made for nothing)."""
+    module = sys.modules.get("torch.distributed.tensor")
+    return None if module is None else module.DTensor
+
+
+def _summed_over_shards(sums: Tensor, tensors: list[Tensor]) -> Tensor:
+    """Each DTensor's sum over all its shards: its local sum all-reduced over the process group of
+    each mesh dimension it is sharded along (replicated dimensions hold the same values already)."""
+    dtensor = _dtensor_class()
+    if dtensor is None:
+        return sums
+    by_groups: dict[tuple[Any, ...], list[int]] = {}
+    for i, t in enumerate(tensors):
+        if isinstance(t, dtensor):
+            mesh = t.device_mesh
+            groups = tuple(mesh.get_group(d) for d, p in enumerate(t.placements) if p.is_shard())
+            if groups:
+                by_groups.setdefault(groups, []).append(i)
+    if not by_groups:
+        return sums
+    sums = sums.clone()
+    for groups, members in by_groups.items():
+        part = sums[members]
+        for group in groups:
+            torch.distributed.all_reduce(part, group=group)
+        sums[members] = part
+    return sums
 
 
 def _scale(norm: Tensor, clip_norm: float | Tensor) -> Tensor:
