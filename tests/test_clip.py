@@ -315,3 +315,60 @@ def test_torch_sums_up_to_16_rows_in_sequence(dtype):
             for row in x[1:]:
                 sequential += row
             assert torch.equal(x.sum(0), sequential), (columns, rows)
+
+
+def _lso_setup():
+    torch.manual_seed(0)
+    model = torch.nn.Linear(6, 3)
+    params = list(model.parameters())
+    opt = amp.LossScaleOptimizer(optim.GradientDescentOptimizer(params, learning_rate=0.1), "dynamic")
+    x, y = torch.randn(4, 6), torch.randn(4, 3)
+    return params, opt, (model(x) - y).square().sum() * 10
+
+
+@pytest.mark.parametrize("bad", [None, math.inf])
+def test_loss_scale_tf_style_clips_the_unscaled_gradients(bad):
+    """compute_gradients (unscaled) -> clip_by_global_norm -> apply_gradients, as TF; a non-finite
+    gradient makes the norm inf and every clipped gradient NaN, and the step is skipped."""
+    params, opt, loss = _lso_setup()
+    if bad is not None:
+        loss = loss * bad
+    grads_and_vars = opt.compute_gradients(loss)
+    clipped, norm = train.clip_by_global_norm([g for g, _ in grads_and_vars], 1.0)
+    before, scale = [p.detach().clone() for p in params], opt.loss_scale().item()
+    opt.apply_gradients(zip(clipped, params, strict=True))
+    if bad is None:
+        assert norm > 1.0
+        for p, b, g in zip(params, before, clipped, strict=True):
+            assert torch.equal(p.detach(), b - 0.1 * g)
+    else:
+        assert not torch.isfinite(norm) and all(torch.isnan(c).all() for c in clipped)
+        assert all(torch.equal(p.detach(), b) for p, b in zip(params, before, strict=True))
+        assert opt.loss_scale().item() == scale / 2
+
+
+@pytest.mark.parametrize("bad", [None, math.inf])
+def test_loss_scale_torch_style_unscale_clip_step(bad):
+    """get_scaled_loss(loss).backward(); unscale_(); clip_by_global_norm_; step(): the same update
+    as the TF style, and a step with a non-finite gradient stays skipped."""
+    params, opt, loss = _lso_setup()
+    if bad is not None:
+        loss = loss * bad
+    _, tf_opt, tf_loss = _lso_setup()
+    tf_params = [p for group in tf_opt.param_groups for p in group["params"]]
+    grads_and_vars = tf_opt.compute_gradients(tf_loss * (1 if bad is None else bad))
+    tf_opt.apply_gradients(zip(train.clip_by_global_norm([g for g, _ in grads_and_vars], 1.0)[0], tf_params))
+    before, scale = [p.detach().clone() for p in params], opt.loss_scale().item()
+    opt.get_scaled_loss(loss).backward()
+    opt.unscale_()
+    norm = train.clip_by_global_norm_(params, 1.0)
+    opt.step()
+    assert opt.loss_scale().item() == tf_opt.loss_scale().item()
+    for p, q in zip(params, tf_params, strict=True):
+        assert torch.equal(p.detach(), q.detach())
+    if bad is None:
+        assert norm > 1.0 and not torch.equal(params[0].detach(), before[0])
+    else:
+        assert not torch.isfinite(norm)
+        assert all(torch.equal(p.detach(), b) for p, b in zip(params, before, strict=True))
+        assert opt.loss_scale().item() == scale / 2
