@@ -107,8 +107,10 @@ def eigen_sums(tensors: list[Tensor], *, square: bool) -> Tensor:
         torch._foreach_copy_(targets, sources)
         for buffer, out in zip(buffers, outs, strict=True):
             if buffer.shape[0]:
+                if square:
+                    buffer.mul_(buffer)
                 total = buffer.new_empty(buffer.shape[1:])  # contiguous, as the sum needs (see below)
-                _sum_rows(buffer, total, square=square, rows_at_once=rows_at_once)
+                _sum_rows(buffer, total, rows_at_once=rows_at_once)
                 out.copy_(total)
     leaf_sums = _finish_leaves(state, plan, square, rows_at_once)
     if not plan.joins:
@@ -137,18 +139,14 @@ def _rows_at_once(device: torch.device) -> int:
     return _CPU_ROWS
 
 
-def _sum_rows(buffer: Tensor, out: Tensor, *, square: bool, rows_at_once: int) -> None:
-    """``out`` = each lane's sum over the rows of ``buffer``, added one row after another (of the
-    rows' squares with ``square``): ``rows_at_once`` rows per call, the first of each call after
-    the first holding the sum so far (written over the last row of the previous call). ``out`` is
-    left as it is when ``buffer`` has no row."""
+def _sum_rows(buffer: Tensor, out: Tensor, *, rows_at_once: int) -> None:
+    """``out`` = each lane's sum over the rows of ``buffer`` (at least one), added one row after
+    another: ``rows_at_once`` rows per call, the first of each call after the first holding the
+    sum so far (written over the last row of the previous call)."""
     rows = buffer.shape[0]
     start = 0
-    while start < rows:
+    while True:
         end = min(start + rows_at_once, rows)
-        if square:
-            fresh = buffer[start + (start > 0) : end]
-            fresh.mul_(fresh)
         if end - start == 1:
             out.copy_(buffer[start])
         else:
@@ -170,10 +168,10 @@ def _finish_leaves(state: _State, plan: _Plan, square: bool, rows_at_once: int) 
     folded = state.folded
     folded[4:] = rest[: 3 * leaves * lanes].view(3, leaves, lanes)
     packet = folded.new_empty(leaves, lanes)
-    _sum_rows(folded, packet, square=False, rows_at_once=rows_at_once)
+    _sum_rows(folded, packet, rows_at_once=rows_at_once)
     tail = folded.new_empty(leaves)
     tails = rest[3 * leaves * lanes :].view(lanes - 1, leaves)
-    _sum_rows(tails, tail, square=False, rows_at_once=rows_at_once)
+    _sum_rows(tails, tail, rows_at_once=rows_at_once)
     while packet.shape[1] > 1:  # the upper half onto the lower, down to one lane
         half = packet.shape[1] // 2
         packet = packet[:, :half] + packet[:, half:]

@@ -22,7 +22,9 @@ norm over whole tensors is TF's to the bit: :func:`sum_of_squares` adds in the
 order of TF's CPU kernels (Eigen's, on one thread), and square roots are
 correctly rounded, as TF's. A norm over some ``axes`` of :func:`clip_by_norm`
 adds in torch's order (1 ulp off TF's for some values, measured in
-``docs/train.md``).
+``docs/train.md``). A ``DTensor`` counts every rank's shard: each shard's sum
+of squares in Eigen's order, those sums all-reduced (within a few ulps of TF's
+sum over the whole tensor, not its bits).
 
 Differences from TensorFlow: subnormal numbers are kept (TF's kernels flush
 them to zero: its global norm of ``[3e-20, 4e-20]`` in float32 is 0, here
@@ -116,10 +118,13 @@ def clip_by_global_norm_(
 
     For a torch training loop, between ``backward()`` and ``step()`` (as
     ``torch.nn.utils.clip_grad_norm_``): parameters without a gradient are
-    skipped, a sparse gradient's values are scaled where they are. Clip the
-    unscaled gradients: inside a ``LossScaleOptimizer``, after
-    ``get_unscaled_gradients`` or with the scale divided out; a non-finite norm
-    turns every gradient into NaN, so a loss scale still skips the step.
+    skipped, a sparse gradient's values are scaled where they are, a DTensor's
+    local shard is scaled (its norm counts every rank's shards). Clip the
+    unscaled gradients: with a ``LossScaleOptimizer``, after ``opt.unscale_()``
+    and before ``opt.step()``; a non-finite norm turns every gradient into NaN,
+    and a step with a non-finite gradient stays skipped. With a
+    ``CrossShardOptimizer``, ``p.grad`` holds the cross-replica sum once
+    ``backward()`` returns: every replica clips the same sum.
 
     Raises:
         ValueError: ``clip_norm`` negative or not finite; no parameter has a gradient.
