@@ -372,3 +372,15 @@ def test_loss_scale_torch_style_unscale_clip_step(bad):
         assert not torch.isfinite(norm)
         assert all(torch.equal(p.detach(), b) for p, b in zip(params, before, strict=True))
         assert opt.loss_scale().item() == scale / 2
+
+
+def test_strided_and_expanded_tensors_are_summed_by_their_values():
+    gen = torch.Generator().manual_seed(5)
+    x, y = torch.randn(300, 70, generator=gen), torch.randn(20001, generator=gen)
+    z = torch.randn(3, 1, generator=gen).expand(3, 5000)
+    strided = [x.t(), y[::2], z]
+    dense = [t.contiguous() for t in strided]
+    assert torch.equal(train.global_norm(strided), train.global_norm(dense))
+    clipped, _ = train.clip_by_global_norm(strided, 1.0)
+    clipped_dense, _ = train.clip_by_global_norm(dense, 1.0)
+    assert all(torch.equal(got, want) for got, want in zip(clipped, clipped_dense, strict=True))
