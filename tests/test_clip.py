@@ -287,12 +287,14 @@ SIZES = [
 ]
 
 
-@pytest.mark.parametrize("rows_at_once", [2, 16])
+@pytest.mark.parametrize("one_by_one", [False, True], ids=["numpy_on_cpu", "row_by_row_elsewhere"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 @pytest.mark.parametrize("sizes", SIZES, ids=lambda s: f"{len(s)}_tensors")
-def test_batched_sums_add_in_eigens_order(sizes, dtype, rows_at_once, monkeypatch):
-    """Every path (one torch.sum for up to 16 rows, or one addition per call) gives Eigen's bits."""
-    monkeypatch.setattr(_eigen_sum, "_rows_at_once", lambda device: rows_at_once)
+def test_batched_sums_add_in_eigens_order(sizes, dtype, one_by_one, monkeypatch):
+    """Both ways of adding the rows (numpy's reduction on the CPU, one addition per row elsewhere)
+    give Eigen's bits."""
+    if one_by_one:
+        monkeypatch.setattr(_eigen_sum, "_sum_rows", _eigen_sum._sum_rows_one_by_one)
     gen = torch.Generator().manual_seed(len(sizes))
     tensors = [torch.randn(n, generator=gen, dtype=dtype) * 3 for n in sizes]
     lanes = _eigen_sum.PACKET[dtype]
@@ -301,20 +303,6 @@ def test_batched_sums_add_in_eigens_order(sizes, dtype, rows_at_once, monkeypatc
     np.testing.assert_array_equal(got, np.array(want, dtype=got.dtype))
     halves = torch.rand(len(sizes) * 37, generator=gen, dtype=dtype)
     assert _eigen_sum.eigen_sums([halves], square=False).item() == eigen_order_sum(halves.numpy(), lanes)
-
-
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
-def test_torch_sums_up_to_16_rows_in_sequence(dtype):
-    """What the batched sums rely on (train/_eigen_sum.py): torch's CPU sum over the first dimension
-    of rows of 256 bytes adds the rows one after another, on every thread count."""
-    gen = torch.Generator().manual_seed(0)
-    for columns in (64 if dtype == torch.float32 else 32, 6400):
-        for rows in (2, 7, 15, 16):
-            x = torch.rand(rows, columns, generator=gen, dtype=dtype).mul_(1e4).square_()
-            sequential = x[0].clone()
-            for row in x[1:]:
-                sequential += row
-            assert torch.equal(x.sum(0), sequential), (columns, rows)
 
 
 def _lso_setup():

@@ -7,12 +7,12 @@ packets (each lane a sequential sum over the blocks), folded into the first, the
 packets one by one, the tail element by element, and the tail's sum plus the accumulator's lanes
 added as a tree. A packet is 8 float32 or 4 float64 lanes (the AVX build of the x86 wheels).
 
-The lanes' sequential sums are the cost. All leaves of all tensors are copied into buffers laid
-out block-major (``rows × leaves × lanes``, one buffer per class of leaves with a similar number
-of blocks), so that each addition of a block is one elementwise addition over every leaf. On the
-CPU, ``torch.sum`` over at most 16 rows of such a buffer adds the rows one after another (its
-cascade opens a second level only after 16 rows; ``tests/test_clip.py`` checks it), so 15 blocks
-cost one call; elsewhere one call adds one block. The rest (the packets after the blocks, the
+The lanes' sequential sums are the cost: no torch reduction adds in that order. All leaves of
+all tensors are copied into buffers laid out block-major (``rows × leaves × lanes``, one buffer
+per class of leaves with a similar number of blocks), so that adding a block is one elementwise
+addition over every leaf. On the CPU one numpy call adds all the rows of a buffer, one after
+another (numpy reduces an outer axis row by row; its pairwise summation is only along the
+contiguous axis); elsewhere one call adds one row. The rest (the packets after the blocks, the
 tails, the tree of halves) are a few operations over all leaves together. Work is done in pieces
 of about 2M elements, whose buffers are kept per thread and reused.
 """
@@ -23,6 +23,7 @@ import functools
 import threading
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 from torch import Tensor
 
@@ -30,8 +31,6 @@ from torch import Tensor
 PACKET = {torch.float32: 8, torch.float64: 4}
 # Eigen sums halves of a longer range apart (pairwise), down to this many packets.
 _LEAF_PACKETS = 1024
-# Rows one call of torch's CPU sum adds in sequence (the first holds the sum so far).
-_CPU_ROWS = 16
 # Elements of the leaves copied at once: the buffers stay small and are reused piece after piece.
 _PIECE = 1 << 21
 _local = threading.local()
@@ -85,7 +84,6 @@ def eigen_sums(tensors: list[Tensor], *, square: bool) -> Tensor:
     contiguous = [t if t.is_contiguous() else t.contiguous() for t in tensors]
     lanes = plan.lanes
     block = 4 * lanes
-    rows_at_once = _rows_at_once(first.device)
     state.folded[:4].zero_()  # the accumulators of leaves without a block stay 0
     for piece, targets, buffers, outs in zip(
         plan.pieces, state.targets, state.buffers, state.outs, strict=True
@@ -110,9 +108,9 @@ def eigen_sums(tensors: list[Tensor], *, square: bool) -> Tensor:
                 if square:
                     buffer.mul_(buffer)
                 total = buffer.new_empty(buffer.shape[1:])  # contiguous, as the sum needs (see below)
-                _sum_rows(buffer, total, rows_at_once=rows_at_once)
+                _sum_rows(buffer, total)
                 out.copy_(total)
-    leaf_sums = _finish_leaves(state, plan, square, rows_at_once)
+    leaf_sums = _finish_leaves(state, plan, square)
     if not plan.joins:
         return leaf_sums[state.roots]
     nodes = torch.cat([leaf_sums, leaf_sums.new_empty(sum(len(level[0]) for level in plan.joins))])
@@ -121,43 +119,25 @@ def eigen_sums(tensors: list[Tensor], *, square: bool) -> Tensor:
     return nodes[state.roots]
 
 
-def _rows_at_once(device: torch.device) -> int:
-    """Rows one ``torch.sum`` may add in sequence on ``device``.
-
-    torch's CPU sum over the first dimension of a contiguous ``(rows, columns)`` tensor keeps, for
-    each group of four vectors of columns (32 float32 with AVX2, 64 with AVX-512), one accumulator
-    per column that it adds the rows to one after another, and starts a second level of its
-    cascade only after 16 rows. Every buffer summed here has rows of a multiple of 256 bytes, so
-    all columns fall in such groups. On several threads torch splits the columns at multiples of
-    128 bytes: whole groups only where a vector is at most 32 bytes (AVX2 and narrower). Anywhere
-    else one call adds two rows, a single addition.
-    """
-    if device.type != "cpu":
-        return 2
-    if torch.get_num_threads() > 1 and torch.backends.cpu.get_cpu_capability() not in ("DEFAULT", "AVX2"):
-        return 2
-    return _CPU_ROWS
+def _sum_rows(buffer: Tensor, out: Tensor) -> None:
+    """``out`` = each column's sum over the rows of ``buffer`` (at least one; rows of at least 64
+    elements), the rows added one after another."""
+    if buffer.device.type == "cpu":
+        # numpy adds along an outer axis row by row, into one accumulator per column (its pairwise
+        # summation is only along the contiguous axis of a reduction), on one thread: one call.
+        np.add.reduce(buffer.numpy(), axis=0, out=out.numpy())
+    else:
+        _sum_rows_one_by_one(buffer, out)
 
 
-def _sum_rows(buffer: Tensor, out: Tensor, *, rows_at_once: int) -> None:
-    """``out`` = each lane's sum over the rows of ``buffer`` (at least one), added one row after
-    another: ``rows_at_once`` rows per call, the first of each call after the first holding the
-    sum so far (written over the last row of the previous call)."""
-    rows = buffer.shape[0]
-    start = 0
-    while True:
-        end = min(start + rows_at_once, rows)
-        if end - start == 1:
-            out.copy_(buffer[start])
-        else:
-            torch.sum(buffer[start:end], 0, out=out)
-        if end == rows:
-            return
-        buffer[end - 1].copy_(out)
-        start = end - 1
+def _sum_rows_one_by_one(buffer: Tensor, out: Tensor) -> None:
+    """:func:`_sum_rows` with one elementwise addition per row (on a GPU, whose sums add in a tree)."""
+    out.copy_(buffer[0])
+    for row in buffer[1:]:
+        out.add_(row)
 
 
-def _finish_leaves(state: _State, plan: _Plan, square: bool, rows_at_once: int) -> Tensor:
+def _finish_leaves(state: _State, plan: _Plan, square: bool) -> Tensor:
     """Each leaf's sum: its four accumulators folded into the first and the packets after its
     blocks added (rows 0-3 and 4-6 of ``state.folded``, one sequence of additions), the tail summed
     element by element, then the tail's sum plus the accumulator's lanes added as a tree."""
@@ -168,10 +148,10 @@ def _finish_leaves(state: _State, plan: _Plan, square: bool, rows_at_once: int) 
     folded = state.folded
     folded[4:] = rest[: 3 * leaves * lanes].view(3, leaves, lanes)
     packet = folded.new_empty(leaves, lanes)
-    _sum_rows(folded, packet, rows_at_once=rows_at_once)
+    _sum_rows(folded, packet)
     tail = folded.new_empty(leaves)
     tails = rest[3 * leaves * lanes :].view(lanes - 1, leaves)
-    _sum_rows(tails, tail, rows_at_once=rows_at_once)
+    _sum_rows(tails, tail)
     while packet.shape[1] > 1:  # the upper half onto the lower, down to one lane
         half = packet.shape[1] // 2
         packet = packet[:, :half] + packet[:, half:]
@@ -272,7 +252,7 @@ def _plan_of(numels: tuple[int, ...], lanes: int) -> _Plan:
         for cls, members in enumerate(by_class.values()):
             rows = max(leaves[leaf][2] // block for leaf in members)
             padded = any(leaves[leaf][2] // block != rows for leaf in members)
-            slots = len(members) + len(members) % 2  # rows of a multiple of 64 float32 (see _ROW_BYTES)
+            slots = len(members) + len(members) % 2  # rows of at least 64 elements (see _sum_rows)
             classes.append(_Class(rows, slots, offset, padded, row))
             offset += rows * slots * block
             for slot, leaf in enumerate(members):
@@ -293,8 +273,8 @@ def _plan_of(numels: tuple[int, ...], lanes: int) -> _Plan:
         workspace = max(workspace, offset)
     # The packets after the blocks as rows (3, leaves, lanes), then the tails (lanes - 1, leaves);
     # where a leaf has fewer, the index of the zero after all remainders.
-    # Rows for a multiple of 64 leaves (the unused ones sum zeros): each row of the tails' buffer
-    # spans a multiple of 256 bytes too.
+    # Rows for a multiple of 64 leaves (the unused ones sum zeros): the tails' rows too have at
+    # least 64 elements.
     rows_used = -(-row // 64) * 64
     zero = rows_used * block
     packet_index = torch.full((3, rows_used, lanes), zero, dtype=torch.long)
