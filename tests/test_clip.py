@@ -287,13 +287,15 @@ SIZES = [
 ]
 
 
-@pytest.mark.parametrize("one_by_one", [False, True], ids=["numpy_on_cpu", "row_by_row_elsewhere"])
+@pytest.mark.parametrize("path", ["cpu", "block_major", "block_major_row_by_row"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 @pytest.mark.parametrize("sizes", SIZES, ids=lambda s: f"{len(s)}_tensors")
-def test_batched_sums_add_in_eigens_order(sizes, dtype, one_by_one, monkeypatch):
-    """Both ways of adding the rows (numpy's reduction on the CPU, one addition per row elsewhere)
-    give Eigen's bits."""
-    if one_by_one:
+def test_batched_sums_add_in_eigens_order(sizes, dtype, path, monkeypatch):
+    """Every path gives Eigen's bits: the CPU's (numpy over the tensors as they lie), and the
+    block-major one (a GPU's) with numpy's reduction or one addition per row, as on a GPU."""
+    if path != "cpu":
+        monkeypatch.setattr(_eigen_sum, "_cpu_sums", _eigen_sum._block_major_sums)
+    if path == "block_major_row_by_row":
         monkeypatch.setattr(_eigen_sum, "_sum_rows", _eigen_sum._sum_rows_one_by_one)
     gen = torch.Generator().manual_seed(len(sizes))
     tensors = [torch.randn(n, generator=gen, dtype=dtype) * 3 for n in sizes]

@@ -64,7 +64,7 @@ class _Piece:
     classes: tuple[_Class, ...]
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)  # compared and hashed by identity: _plan_of keeps one per key
 class _Plan:
     lanes: int
     pieces: tuple[_Piece, ...]
@@ -73,6 +73,8 @@ class _Plan:
     rest_index: Tensor  # where in `remainders` each leaf's 3 packets (3, leaves, lanes) and tail are
     joins: tuple[tuple[Tensor, Tensor, Tensor], ...]  # (node, left, right), deepest level first
     roots: Tensor  # each tensor's node
+    numels: tuple[int, ...]
+    leaf_rows: tuple[tuple[int, int, int, int], ...]  # (tensor, first, count, row), tensor order
 
 
 def eigen_sums(tensors: list[Tensor], *, square: bool) -> Tensor:
@@ -80,6 +82,14 @@ def eigen_sums(tensors: list[Tensor], *, square: bool) -> Tensor:
     tensor; the tensors share one floating dtype of :data:`PACKET` and one device."""
     first = tensors[0]
     plan = _plan_of(tuple(t.numel() for t in tensors), PACKET[first.dtype])
+    if first.device.type == "cpu":
+        return _cpu_sums(tensors, plan, square)
+    return _block_major_sums(tensors, plan, square)
+
+
+def _block_major_sums(tensors: list[Tensor], plan: _Plan, square: bool) -> Tensor:
+    """:func:`eigen_sums` through block-major buffers (a GPU's way: see the module's docstring)."""
+    first = tensors[0]
     state = _state_of(plan, first.dtype, first.device)
     contiguous = [t if t.is_contiguous() else t.contiguous() for t in tensors]
     lanes = plan.lanes
@@ -110,13 +120,20 @@ def eigen_sums(tensors: list[Tensor], *, square: bool) -> Tensor:
                 total = buffer.new_empty(buffer.shape[1:])  # contiguous, as the sum needs (see below)
                 _sum_rows(buffer, total)
                 out.copy_(total)
-    leaf_sums = _finish_leaves(state, plan, square)
-    if not plan.joins:
-        return leaf_sums[state.roots]
-    nodes = torch.cat([leaf_sums, leaf_sums.new_empty(sum(len(level[0]) for level in plan.joins))])
-    for node, left, right in state.joins:
+    rest = state.remainders[state.rest_index]
+    return _tensor_sums(_finish_leaves(state.folded, rest, plan, square), state.joins, state.roots)
+
+
+def _tensor_sums(
+    leaf_sums: Tensor, joins: tuple[tuple[Tensor, Tensor, Tensor], ...], roots: Tensor
+) -> Tensor:
+    """Each tensor's sum from its leaves' sums: the halves of a split added, deepest first."""
+    if not joins:
+        return leaf_sums[roots]
+    nodes = torch.cat([leaf_sums, leaf_sums.new_empty(sum(len(level[0]) for level in joins))])
+    for node, left, right in joins:
         nodes[node] = nodes[left] + nodes[right]
-    return nodes[state.roots]
+    return nodes[roots]
 
 
 def _sum_rows(buffer: Tensor, out: Tensor) -> None:
@@ -137,15 +154,14 @@ def _sum_rows_one_by_one(buffer: Tensor, out: Tensor) -> None:
         out.add_(row)
 
 
-def _finish_leaves(state: _State, plan: _Plan, square: bool) -> Tensor:
+def _finish_leaves(folded: Tensor, rest: Tensor, plan: _Plan, square: bool) -> Tensor:
     """Each leaf's sum: its four accumulators folded into the first and the packets after its
-    blocks added (rows 0-3 and 4-6 of ``state.folded``, one sequence of additions), the tail summed
-    element by element, then the tail's sum plus the accumulator's lanes added as a tree."""
+    blocks added (rows 0-3 and 4-6 of ``folded``, one sequence of additions), the tail summed
+    element by element, then the tail's sum plus the accumulator's lanes added as a tree. ``rest``
+    holds the packets after the blocks (3, leaves, lanes), then the tails (lanes - 1, leaves)."""
     lanes, leaves = plan.lanes, plan.leaves
-    rest = state.remainders[state.rest_index]
     if square:
         rest.mul_(rest)
-    folded = state.folded
     folded[4:] = rest[: 3 * leaves * lanes].view(3, leaves, lanes)
     packet = folded.new_empty(leaves, lanes)
     _sum_rows(folded, packet)
@@ -302,6 +318,8 @@ def _plan_of(numels: tuple[int, ...], lanes: int) -> _Plan:
         rest_index,
         tuple(levels),
         torch.tensor([node(r) for r in roots]),
+        numels,
+        tuple((tensor, first, count, order[leaf]) for leaf, (tensor, first, count) in enumerate(leaves)),
     )
 
 
@@ -346,3 +364,138 @@ def _pieces(leaves: list[tuple[int, int, int]]) -> list[list[int]]:
         pieces[-1].append(leaf)
         size += count
     return pieces
+
+
+# ---------------------------------------------------------------- the CPU: numpy over the tensors as they lie
+
+
+@dataclass(frozen=True)
+class _FlatPiece:
+    """Consecutive whole tensors, copied one after another into the workspace."""
+
+    first: int  # the first tensor's index
+    last: int  # one past the last's
+    size: int  # elements
+    runs: tuple[tuple[int, int, int, int], ...]  # consecutive leaves: (offset, leaves, count, row)
+    rest_to: np.ndarray  # where in the `rest` vector (see _finish_leaves) ...
+    rest_from: np.ndarray  # ... each element after the blocks of the piece's leaves goes
+
+
+@functools.lru_cache(maxsize=64)
+def _flat_pieces(plan: _Plan) -> tuple[_FlatPiece, ...]:
+    """The tensors in pieces of about :data:`_PIECE` elements (a longer tensor alone), each leaf at
+    its offset in its tensor, the tensors one after another."""
+    lanes, rows, block = plan.lanes, plan.leaves, 4 * plan.lanes
+    by_tensor: list[list[tuple[int, int, int]]] = [[] for _ in plan.numels]
+    for tensor, first, count, row in plan.leaf_rows:
+        by_tensor[tensor].append((first, count, row))
+    pieces, start, size = [], 0, 0
+    for tensor, numel in enumerate([*plan.numels, None]):
+        if numel is None or (size and size + numel > _PIECE):
+            runs: list[tuple[int, int, int, int]] = []
+            rest_to: list[int] = []
+            rest_from: list[int] = []
+            offset = 0
+            for t in range(start, tensor):
+                for first, count, row in by_tensor[t]:
+                    at = offset + first
+                    last = runs[-1] if runs else None
+                    if (
+                        last
+                        and last[2] == count
+                        and last[0] + last[1] * count == at
+                        and last[3] + last[1] == row
+                    ):
+                        runs[-1] = (last[0], last[1] + 1, count, last[3])
+                    else:
+                        runs.append((at, 1, count, row))
+                    blocks = count // block
+                    packets, tail = (count - blocks * block) // lanes, count % lanes
+                    after = at + blocks * block
+                    for k in range(packets * lanes):
+                        rest_to.append((k // lanes) * rows * lanes + row * lanes + k % lanes)
+                        rest_from.append(after + k)
+                    for j in range(tail):
+                        rest_to.append(3 * rows * lanes + j * rows + row)
+                        rest_from.append(after + packets * lanes + j)
+                offset += plan.numels[t]
+            pieces.append(
+                _FlatPiece(
+                    start,
+                    tensor,
+                    offset,
+                    tuple(runs),
+                    np.array(rest_to, dtype=np.int64),
+                    np.array(rest_from, dtype=np.int64),
+                )
+            )
+            start, size = tensor, 0
+        if numel is not None:
+            size += numel
+    return tuple(p for p in pieces if p.last > p.first)
+
+
+def _cpu_sums(tensors: list[Tensor], plan: _Plan, square: bool) -> Tensor:
+    """:func:`eigen_sums` on the CPU: each piece of tensors copied as it lies (one copy per tensor,
+    no view to make), squared, then one numpy reduction per run of equal leaves, each lane of each
+    leaf adding its blocks one after another (numpy reduces an axis that is not the contiguous one
+    element by element along it)."""
+    lanes, rows, block = plan.lanes, plan.leaves, 4 * plan.lanes
+    pieces = _flat_pieces(plan)
+    dtype = tensors[0].dtype
+    workspace, all_targets = _flat_targets(plan, tuple(t.shape for t in tensors), dtype)
+    flat = workspace.numpy()
+    accumulators = torch.zeros(rows, block, dtype=dtype)
+    sums = accumulators.numpy()
+    rest = torch.zeros(3 * rows * lanes + (lanes - 1) * rows, dtype=dtype)
+    itemsize = flat.itemsize
+    for piece, targets in zip(pieces, all_targets, strict=True):
+        torch._foreach_copy_(targets, tensors[piece.first : piece.last])
+        data = flat[: piece.size]
+        if square:
+            np.multiply(data, data, out=data)
+        for offset, leaves, count, row in piece.runs:
+            blocks = count // block
+            if blocks:
+                view = np.lib.stride_tricks.as_strided(
+                    data[offset:], (leaves, blocks, block), (count * itemsize, block * itemsize, itemsize)
+                )
+                np.add.reduce(view, axis=1, out=sums[row : row + leaves])
+        rest.numpy()[piece.rest_to] = data[piece.rest_from]
+    folded = torch.empty(7, rows, lanes, dtype=dtype)
+    folded[:4] = accumulators.view(rows, 4, lanes).transpose(0, 1)
+    leaf_sums = _finish_leaves(folded, rest, plan, square=False)
+    return _tensor_sums(leaf_sums, plan.joins, plan.roots)
+
+
+def _flat_targets(
+    plan: _Plan, shapes: tuple[torch.Size, ...], dtype: torch.dtype
+) -> tuple[Tensor, tuple[list[Tensor], ...]]:
+    """This thread's CPU workspace for ``dtype``, and per piece the views of it each tensor is
+    copied into (shaped as the tensor, one after another), kept for the plan and shapes."""
+    pieces = _flat_pieces(plan)
+    spaces = getattr(_local, "flat", None)
+    if spaces is None:
+        spaces = _local.flat = {}
+    size = max(p.size for p in pieces)
+    workspace, kept = spaces.get(dtype, (None, {}))
+    if workspace is None or workspace.numel() < size:
+        workspace, kept = torch.empty(max(size, 1), dtype=dtype), {}
+        spaces[dtype] = (workspace, kept)
+    key = (plan, shapes)
+    targets = kept.pop(key, None)
+    if targets is None:
+        targets = []
+        for piece in pieces:
+            views, offset = [], 0
+            for shape, numel in zip(
+                shapes[piece.first : piece.last], plan.numels[piece.first : piece.last], strict=True
+            ):
+                views.append(workspace[offset : offset + numel].view(shape))
+                offset += numel
+            targets.append(views)
+        targets = tuple(targets)
+    kept[key] = targets  # the most recently used last
+    while len(kept) > _STATES_KEPT:
+        del kept[next(iter(kept))]
+    return workspace, targets

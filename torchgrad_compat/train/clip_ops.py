@@ -192,7 +192,13 @@ def _values_of(t_list: Any) -> list[Tensor | None]:
     """The dense values of each entry of a sequence (see :func:`_value_of`), None kept."""
     if isinstance(t_list, (str, Tensor)) or not isinstance(t_list, Sequence):
         raise TypeError(f"t_list must be a sequence of tensors, got {type(t_list).__name__}")
-    return [None if t is None else _value_of(f"t_list[{i}]", t) for i, t in enumerate(t_list)]
+    values: list[Tensor | None] = []
+    for i, t in enumerate(t_list):
+        if t is None or (type(t) is Tensor and t.layout == torch.strided and t.is_floating_point()):
+            values.append(t)  # the usual entries, without building a name for an error
+        else:
+            values.append(_value_of(f"t_list[{i}]", t))
+    return values
 
 
 def _value_of(arg: str, t: Any) -> Tensor:
