@@ -7,14 +7,16 @@ packets (each lane a sequential sum over the blocks), folded into the first, the
 packets one by one, the tail element by element, and the tail's sum plus the accumulator's lanes
 added as a tree. A packet is 8 float32 or 4 float64 lanes (the AVX build of the x86 wheels).
 
-The lanes' sequential sums are the cost: no torch reduction adds in that order. All leaves of
-all tensors are copied into buffers laid out block-major (``rows × leaves × lanes``, one buffer
-per class of leaves with a similar number of blocks), so that adding a block is one elementwise
-addition over every leaf. On the CPU one numpy call adds all the rows of a buffer, one after
-another (numpy reduces an outer axis row by row; its pairwise summation is only along the
-contiguous axis); elsewhere one call adds one row. The rest (the packets after the blocks, the
-tails, the tree of halves) are a few operations over all leaves together. Work is done in pieces
-of about 2M elements, whose buffers are kept per thread and reused.
+The lanes' sequential sums are the cost: no torch reduction adds in that order. On the CPU the
+tensors are copied one after another into a workspace (one plain copy each, into views kept for
+their shapes), squared, and numpy reduces each run of equal consecutive leaves over its blocks:
+numpy adds along an axis that is not the contiguous one element by element, so each lane adds
+its blocks one after another (its pairwise summation is only along the contiguous axis).
+Elsewhere (a GPU) the leaves are copied into buffers laid out block-major (``rows × leaves ×
+lanes``, one per class of leaves with a similar number of blocks) and one elementwise addition
+per row adds a block of every leaf. The rest (the packets after the blocks, the tails, the tree
+of halves) are a few operations over all leaves together. Work is done in pieces of about 2M
+elements, whose buffers are kept per thread and reused.
 """
 
 from __future__ import annotations
