@@ -450,6 +450,7 @@ def _cpu_sums(tensors: list[Tensor], plan: _Plan, square: bool) -> Tensor:
     accumulators = torch.zeros(rows, block, dtype=dtype)
     sums = accumulators.numpy()
     rest = torch.zeros(3 * rows * lanes + (lanes - 1) * rows, dtype=dtype)
+    rest_values = rest.numpy()
     itemsize = flat.itemsize
     for piece, targets in zip(pieces, all_targets, strict=True):
         torch._foreach_copy_(targets, tensors[piece.first : piece.last])
@@ -463,7 +464,7 @@ def _cpu_sums(tensors: list[Tensor], plan: _Plan, square: bool) -> Tensor:
                     data[offset:], (leaves, blocks, block), (count * itemsize, block * itemsize, itemsize)
                 )
                 np.add.reduce(view, axis=1, out=sums[row : row + leaves])
-        rest.numpy()[piece.rest_to] = data[piece.rest_from]
+        rest_values[piece.rest_to] = data[piece.rest_from]
     folded = torch.empty(7, rows, lanes, dtype=dtype)
     folded[:4] = accumulators.view(rows, 4, lanes).transpose(0, 1)
     leaf_sums = _finish_leaves(folded, rest, plan, square=False)
