@@ -159,3 +159,22 @@ def test_amp_bench_checks_smoke() -> None:
         "floor",
     ], result.stdout
     assert all(float(ms) > 0 for _, ms in rows)
+
+
+def test_clip_bench_smoke() -> None:
+    """scripts/bench_clip.py: a row per workload with both clips, both norms and the floor."""
+    script = TRAIN.with_name("bench_clip.py")
+    args = ["--workload", "1M", "--warmup", "1", "--repeats", "2", "--threads", "1"]
+    result = subprocess.run(
+        [sys.executable, str(script), *args],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    number = r"[\d.]+"
+    ratio = r"\*{0,2}[\d.]+x\*{0,2}"
+    row = rf"^\| 1M \(100 x 10,000\) \| {number} \(\d+%\) \| {number} \(\d+%\) \| {ratio} \| {number} "
+    row += rf"\| {number} \| {ratio} \| {number} \| \d+% \|$"
+    assert re.search(row, result.stdout, re.M), result.stdout

@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from torchgrad_compat import amp, optim, train
+from torchgrad_compat.train import _eigen_sum
 
 FIXTURES = Path(__file__).parents[1] / "fixtures" / "train"
 GENERATOR = Path(__file__).parents[2] / "scripts" / "make_tf_clip_fixtures.py"
@@ -247,3 +248,129 @@ def test_generator_reproduces_the_fixtures(run_tf_generator) -> None:
         assert sorted(fresh.files) == sorted(ARRAYS)
         for key, value in ARRAYS.items():
             np.testing.assert_array_equal(fresh[key], value, err_msg=key)
+
+
+def eigen_order_sum(x: np.ndarray, lanes: int) -> np.floating:
+    """Eigen's full sum of the 1-d ``x``, written out (numpy adds in ``x``'s dtype; ``accumulate``
+    adds the rows one after another): the specification the batched sums are checked against."""
+
+    def summed(first: int, count: int) -> np.floating:
+        if count > lanes * 1024:  # halves split at a packet boundary, summed apart, then added
+            split = lanes * -(-(first + -(-count // 2)) // lanes)
+            left = min(split - first, count)
+            total = x.dtype.type(0) + summed(first, left)
+            return total + summed(split, count - left) if left < count else total
+        leaf, block = x[first : first + count], 4 * lanes
+        blocks = count // block
+        packet = np.zeros(lanes, x.dtype)
+        if blocks:  # four packet accumulators, each lane adding the blocks in turn, then folded
+            a = np.add.accumulate(leaf[: blocks * block].reshape(blocks, block), axis=0)[-1]
+            packet = ((a[:lanes] + a[lanes : 2 * lanes]) + a[2 * lanes : 3 * lanes]) + a[3 * lanes :]
+        vectorized = count // lanes * lanes
+        for j in range(blocks * block, vectorized, lanes):
+            packet = packet + leaf[j : j + lanes]
+        tail = x.dtype.type(0)
+        for j in range(vectorized, count):
+            tail = tail + leaf[j]
+        while len(packet) > 1:
+            packet = packet[: len(packet) // 2] + packet[len(packet) // 2 :]
+        return tail + packet[0]
+
+    return summed(0, len(x))
+
+
+SIZES = [
+    [7, 31, 32, 100, 1000, 4095, 4097, 8191, 8192, 8193, 10000, 100003, 0, 1],
+    [10000] * 30,
+    [33] * 40 + [70000] * 3 + [5],
+    [3_000_000],  # more than one piece of work
+]
+
+
+@pytest.mark.parametrize("path", ["cpu", "block_major", "block_major_row_by_row"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("sizes", SIZES, ids=lambda s: f"{len(s)}_tensors")
+def test_batched_sums_add_in_eigens_order(sizes, dtype, path, monkeypatch):
+    """Every path gives Eigen's bits: the CPU's (numpy over the tensors as they lie), and the
+    block-major one (a GPU's) with numpy's reduction or one addition per row, as on a GPU."""
+    if path != "cpu":
+        monkeypatch.setattr(_eigen_sum, "_cpu_sums", _eigen_sum._block_major_sums)
+    if path == "block_major_row_by_row":
+        monkeypatch.setattr(_eigen_sum, "_sum_rows", _eigen_sum._sum_rows_one_by_one)
+    gen = torch.Generator().manual_seed(len(sizes))
+    tensors = [torch.randn(n, generator=gen, dtype=dtype) * 3 for n in sizes]
+    lanes = _eigen_sum.PACKET[dtype]
+    got = _eigen_sum.eigen_sums(tensors, square=True).numpy()
+    want = [eigen_order_sum((t * t).numpy(), lanes) for t in tensors]
+    np.testing.assert_array_equal(got, np.array(want, dtype=got.dtype))
+    halves = torch.rand(len(sizes) * 37, generator=gen, dtype=dtype)
+    assert _eigen_sum.eigen_sums([halves], square=False).item() == eigen_order_sum(halves.numpy(), lanes)
+
+
+def _lso_setup():
+    torch.manual_seed(0)
+    model = torch.nn.Linear(6, 3)
+    params = list(model.parameters())
+    opt = amp.LossScaleOptimizer(optim.GradientDescentOptimizer(params, learning_rate=0.1), "dynamic")
+    x, y = torch.randn(4, 6), torch.randn(4, 3)
+    return params, opt, (model(x) - y).square().sum() * 10
+
+
+@pytest.mark.parametrize("bad", [None, math.inf])
+def test_loss_scale_tf_style_clips_the_unscaled_gradients(bad):
+    """compute_gradients (unscaled) -> clip_by_global_norm -> apply_gradients, as TF; a non-finite
+    gradient makes the norm inf and every clipped gradient NaN, and the step is skipped."""
+    params, opt, loss = _lso_setup()
+    if bad is not None:
+        loss = loss * bad
+    grads_and_vars = opt.compute_gradients(loss)
+    clipped, norm = train.clip_by_global_norm([g for g, _ in grads_and_vars], 1.0)
+    before, scale = [p.detach().clone() for p in params], opt.loss_scale().item()
+    opt.apply_gradients(zip(clipped, params, strict=True))
+    if bad is None:
+        assert norm > 1.0
+        for p, b, g in zip(params, before, clipped, strict=True):
+            assert torch.equal(p.detach(), b - 0.1 * g)
+    else:
+        assert not torch.isfinite(norm) and all(torch.isnan(c).all() for c in clipped)
+        assert all(torch.equal(p.detach(), b) for p, b in zip(params, before, strict=True))
+        assert opt.loss_scale().item() == scale / 2
+
+
+@pytest.mark.parametrize("bad", [None, math.inf])
+def test_loss_scale_torch_style_unscale_clip_step(bad):
+    """get_scaled_loss(loss).backward(); unscale_(); clip_by_global_norm_; step(): the same update
+    as the TF style, and a step with a non-finite gradient stays skipped."""
+    params, opt, loss = _lso_setup()
+    if bad is not None:
+        loss = loss * bad
+    _, tf_opt, tf_loss = _lso_setup()
+    tf_params = [p for group in tf_opt.param_groups for p in group["params"]]
+    grads_and_vars = tf_opt.compute_gradients(tf_loss * (1 if bad is None else bad))
+    tf_opt.apply_gradients(zip(train.clip_by_global_norm([g for g, _ in grads_and_vars], 1.0)[0], tf_params))
+    before, scale = [p.detach().clone() for p in params], opt.loss_scale().item()
+    opt.get_scaled_loss(loss).backward()
+    opt.unscale_()
+    norm = train.clip_by_global_norm_(params, 1.0)
+    opt.step()
+    assert opt.loss_scale().item() == tf_opt.loss_scale().item()
+    for p, q in zip(params, tf_params, strict=True):
+        assert torch.equal(p.detach(), q.detach())
+    if bad is None:
+        assert norm > 1.0 and not torch.equal(params[0].detach(), before[0])
+    else:
+        assert not torch.isfinite(norm)
+        assert all(torch.equal(p.detach(), b) for p, b in zip(params, before, strict=True))
+        assert opt.loss_scale().item() == scale / 2
+
+
+def test_strided_and_expanded_tensors_are_summed_by_their_values():
+    gen = torch.Generator().manual_seed(5)
+    x, y = torch.randn(300, 70, generator=gen), torch.randn(20001, generator=gen)
+    z = torch.randn(3, 1, generator=gen).expand(3, 5000)
+    strided = [x.t(), y[::2], z]
+    dense = [t.contiguous() for t in strided]
+    assert torch.equal(train.global_norm(strided), train.global_norm(dense))
+    clipped, _ = train.clip_by_global_norm(strided, 1.0)
+    clipped_dense, _ = train.clip_by_global_norm(dense, 1.0)
+    assert all(torch.equal(got, want) for got, want in zip(clipped, clipped_dense, strict=True))

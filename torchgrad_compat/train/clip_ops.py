@@ -22,7 +22,9 @@ norm over whole tensors is TF's to the bit: :func:`sum_of_squares` adds in the
 order of TF's CPU kernels (Eigen's, on one thread), and square roots are
 correctly rounded, as TF's. A norm over some ``axes`` of :func:`clip_by_norm`
 adds in torch's order (1 ulp off TF's for some values, measured in
-``docs/train.md``).
+``docs/train.md``). A ``DTensor`` counts every rank's shard: each shard's sum
+of squares in Eigen's order, those sums all-reduced (within a few ulps of TF's
+sum over the whole tensor, not its bits).
 
 Differences from TensorFlow: subnormal numbers are kept (TF's kernels flush
 them to zero: its global norm of ``[3e-20, 4e-20]`` in float32 is 0, here
@@ -33,6 +35,7 @@ with the others); ``name`` is accepted and unused.
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Iterable, Sequence
 from typing import Any
 
@@ -41,6 +44,7 @@ from torch import Tensor
 
 from .._torch_internals import sparse_indices, sparse_values
 from ..optim.wrapper import check_range, sqrt
+from ._eigen_sum import PACKET, eigen_sums
 
 
 def global_norm(t_list: Sequence[Tensor | None], name: str | None = None) -> Tensor:
@@ -54,7 +58,12 @@ def global_norm(t_list: Sequence[Tensor | None], name: str | None = None) -> Ten
         TypeError: ``t_list`` is not a sequence of tensors (or None), or mixes dtypes.
         ValueError: ``t_list`` holds no tensor.
     """
-    values = [v for v in _values_of(t_list) if v is not None]
+    return _global_norm(_values_of(t_list), t_list)
+
+
+def _global_norm(entries: list[Tensor | None], t_list: Sequence[Tensor | None]) -> Tensor:
+    """:func:`global_norm` of ``t_list``, whose entries' values are ``entries`` (None skipped)."""
+    values = [v for v in entries if v is not None]
     if not values:
         raise ValueError("Invalid t_list value: it holds no tensor (only None entries, or none at all)")
     dtypes = {v.dtype for v in values}
@@ -62,11 +71,10 @@ def global_norm(t_list: Sequence[Tensor | None], name: str | None = None) -> Ten
         raise TypeError(
             f"t_list must hold tensors of one dtype, as TF's global_norm stacks them: got {dtypes}"
         )
-    half_squared_norms = torch.stack([sum_of_squares(v) * 0.5 for v in values])
-    lanes = _PACKET.get(half_squared_norms.dtype)
-    # TF's reduce_sum of the stacked halves: Eigen's order again (4-lane blocks from 32 tensors).
-    total = half_squared_norms.sum() if lanes is None else _eigen_sum(half_squared_norms, lanes, square=False)
-    return sqrt(total * 2.0)
+    # TF's l2_loss of each tensor, then reduce_sum of the stacked halves: Eigen's order again.
+    half_squared_norms = _summed_over_shards(_sums_of_squares(values), [t for t in t_list if t is not None])
+    half_squared_norms = half_squared_norms * 0.5
+    return sqrt(_eigen_sum(half_squared_norms) * 2.0)
 
 
 def clip_by_global_norm(
@@ -98,9 +106,8 @@ def clip_by_global_norm(
     """
     values = _values_of(t_list)
     _check_clip_norm(clip_norm)
-    norm = global_norm(t_list) if use_norm is None else _norm_tensor(use_norm, values)
-    scale = _scale(norm, clip_norm)
-    clipped = [None if v is None else v * scale.to(v.dtype) for v in values]
+    norm = _global_norm(values, t_list) if use_norm is None else _norm_tensor(use_norm, values)
+    clipped = _scale_all(values, _scale(norm, clip_norm), in_place=False)
     return [_like(t, c) for t, c in zip(t_list, clipped, strict=True)], norm
 
 
@@ -111,10 +118,13 @@ def clip_by_global_norm_(
 
     For a torch training loop, between ``backward()`` and ``step()`` (as
     ``torch.nn.utils.clip_grad_norm_``): parameters without a gradient are
-    skipped, a sparse gradient's values are scaled where they are. Clip the
-    unscaled gradients: inside a ``LossScaleOptimizer``, after
-    ``get_unscaled_gradients`` or with the scale divided out; a non-finite norm
-    turns every gradient into NaN, so a loss scale still skips the step.
+    skipped, a sparse gradient's values are scaled where they are, a DTensor's
+    local shard is scaled (its norm counts every rank's shards). Clip the
+    unscaled gradients: with a ``LossScaleOptimizer``, after ``opt.unscale_()``
+    and before ``opt.step()``; a non-finite norm turns every gradient into NaN,
+    and a step with a non-finite gradient stays skipped. With a
+    ``CrossShardOptimizer``, ``p.grad`` holds the cross-replica sum once
+    ``backward()`` returns: every replica clips the same sum.
 
     Raises:
         ValueError: ``clip_norm`` negative or not finite; no parameter has a gradient.
@@ -125,11 +135,9 @@ def clip_by_global_norm_(
     if not grads:
         raise ValueError("Invalid parameters value: no parameter has a gradient to clip")
     values = _values_of(grads)
-    norm = global_norm(grads) if use_norm is None else _norm_tensor(use_norm, values)
-    scale = _scale(norm, clip_norm)
+    norm = _global_norm(values, grads) if use_norm is None else _norm_tensor(use_norm, values)
     with torch.no_grad():
-        for g in grads:
-            g.mul_(scale.to(g.dtype))
+        _scale_all(values, _scale(norm, clip_norm), in_place=True)
     return norm
 
 
@@ -184,13 +192,27 @@ def _values_of(t_list: Any) -> list[Tensor | None]:
     """The dense values of each entry of a sequence (see :func:`_value_of`), None kept."""
     if isinstance(t_list, (str, Tensor)) or not isinstance(t_list, Sequence):
         raise TypeError(f"t_list must be a sequence of tensors, got {type(t_list).__name__}")
-    return [None if t is None else _value_of(f"t_list[{i}]", t) for i, t in enumerate(t_list)]
+    values: list[Tensor | None] = []
+    for i, t in enumerate(t_list):
+        if t is None or (type(t) is Tensor and t.layout == torch.strided and t.is_floating_point()):
+            values.append(t)  # the usual entries, without building a name for an error
+        else:
+            values.append(_value_of(f"t_list[{i}]", t))
+    return values
 
 
 def _value_of(arg: str, t: Any) -> Tensor:
-    """A dense tensor itself; a sparse COO tensor's values as stored."""
+    """A dense tensor itself; a sparse COO tensor's values as stored; a DTensor's local shard."""
     if not isinstance(t, Tensor) or not t.is_floating_point():
         raise TypeError(f"{arg} must be a floating tensor, got {_describe(t)}")
+    dtensor = _dtensor_class()
+    if dtensor is not None and isinstance(t, dtensor):
+        if any(p.is_partial() for p in t.placements):
+            raise ValueError(
+                f"Invalid {arg} value: a DTensor with placements {t.placements}; its local tensors "
+                "are partial sums: redistribute it to Shard or Replicate placements first"
+            )
+        return _value_of(arg, t.to_local())
     if t.layout == torch.sparse_coo:
         # The rows as given (uncoalesced): TF counts an IndexedSlices' duplicate rows apart.
         return sparse_values(t)
@@ -200,16 +222,17 @@ def _value_of(arg: str, t: Any) -> Tensor:
 
 
 def _like(t: Tensor | None, values: Tensor | None) -> Tensor | None:
-    """``values`` in ``t``'s form: a sparse COO tensor gets ``t``'s indices back."""
-    if t is None or values is None or t.layout != torch.sparse_coo:
+    """``values`` in ``t``'s form: a sparse COO tensor gets ``t``'s indices back, a DTensor its
+    mesh and placements."""
+    if t is None or values is None:
+        return values
+    dtensor = _dtensor_class()
+    if dtensor is not None and isinstance(t, dtensor):
+        local = _like(t.to_local(), values)
+        return dtensor.from_local(local, t.device_mesh, t.placements, shape=t.shape, stride=t.stride())
+    if t.layout != torch.sparse_coo:
         return values
     return torch.sparse_coo_tensor(sparse_indices(t), values, t.shape, is_coalesced=t.is_coalesced())
-
-
-# Eigen's packet of the x86 TensorFlow wheels (AVX): 8 float32 or 4 float64 lanes.
-_PACKET = {torch.float32: 8, torch.float64: 4}
-# Eigen sums halves of a longer range apart (pairwise), down to this many packets.
-_LEAF_PACKETS = 1024
 
 
 def sum_of_squares(t: Tensor) -> Tensor:
@@ -224,91 +247,107 @@ def sum_of_squares(t: Tensor) -> Tensor:
     order). TF on several threads sums a large tensor in shards, whose order
     depends on the thread count: then the last bits may differ.
     """
-    lanes = _PACKET.get(t.dtype)
-    if lanes is None:
-        return (t * t).sum()
-    # Squared where Eigen's leaves are copied into their block-major order: one pass, one copy.
-    return _eigen_sum(t.reshape(-1), lanes, square=True)
+    return _sums_of_squares([t])[0]
 
 
-def _eigen_sum(x: Tensor, lanes: int, *, square: bool) -> Tensor:
-    """Eigen's sum of the 1-D ``x`` (of its squares with ``square``): its pairwise splits
-    planned on the host, then each level of equal work done at once on the device (the leaves of
-    one length, then the joins of one depth)."""
-    leaves: list[tuple[int, int, int]] = []  # (id, first, count)
-    joins: list[tuple[int, int, int, int]] = []  # (depth, id, left id, right id)
-    root = _plan(0, x.numel(), lanes, 0, leaves, joins)
-    values = x.new_empty(len(leaves) + len(joins))
-    by_count: dict[int, list[tuple[int, int]]] = {}
-    for node, first, count in leaves:
-        by_count.setdefault(count, []).append((node, first))
-    for count, group in by_count.items():
-        nodes, firsts = zip(*group, strict=True)
-        values[list(nodes)] = _eigen_leaves([x[first : first + count] for first in firsts], lanes, square)
-    for depth in sorted({j[0] for j in joins}, reverse=True):
-        level = [j for j in joins if j[0] == depth]
-        values[[j[1] for j in level]] = values[[j[2] for j in level]] + values[[j[3] for j in level]]
-    return values[root]
+def _sums_of_squares(values: list[Tensor]) -> Tensor:
+    """:func:`sum_of_squares` of each of ``values`` (one dtype), as a 1-d tensor on the first's
+    device; differentiable."""
+    if values[0].dtype not in PACKET:
+        return torch.stack([(v * v).sum().to(values[0].device) for v in values])
+    return _eigen_sums(values, square=True)
 
 
-def _plan(
-    first: int,
-    count: int,
-    lanes: int,
-    depth: int,
-    leaves: list[tuple[int, int, int]],
-    joins: list[tuple[int, int, int, int]],
-) -> int:
-    """Eigen's split of ``[first, first + count)``: halves at a packet boundary, down to 1024 packets."""
-    if count <= lanes * _LEAF_PACKETS:
-        leaves.append((len(leaves) + len(joins), first, count))
-        return leaves[-1][0]
-    split = lanes * -(-(first + -(-count // 2)) // lanes)
-    left = min(split - first, count)
-    left_id = _plan(first, left, lanes, depth + 1, leaves, joins)
-    if left == count:
-        return left_id
-    right_id = _plan(split, count - left, lanes, depth + 1, leaves, joins)
-    joins.append((depth, len(leaves) + len(joins), left_id, right_id))
-    return joins[-1][1]
+def _eigen_sum(x: Tensor) -> Tensor:
+    """Eigen's sum of the 1-d ``x`` (torch's order for a dtype Eigen's order is not known for)."""
+    return _eigen_sums([x], square=False)[0] if x.dtype in PACKET else x.sum()
 
 
-def _eigen_leaves(leaves: list[Tensor], lanes: int, square: bool) -> Tensor:
-    """Eigen's sum of (the squares of) each of ``leaves`` (of one length, at most 1024 packets): four packet
-    accumulators over blocks of four packets, folded into the first, then packet by packet, the
-    tail element by element, and the tail's sum plus the accumulator's lanes, added as a tree."""
-    count, block = leaves[0].numel(), 4 * lanes
-    blocks = count // block * block
-    accumulator = leaves[0].new_zeros(len(leaves), lanes)
-    if blocks:
-        # Block-major, so that each of Eigen's sequential additions is one contiguous add over all
-        # leaves (torch's cumsum and sum would not add in this order: cumsum adds float32 in double).
-        by_block = _squared(torch.stack([leaf[:blocks].view(-1, block) for leaf in leaves], dim=1), square)
-        sums = by_block[0].clone()
-        for b in range(1, by_block.shape[0]):
-            sums += by_block[b]
-        sums = sums.view(-1, 4, lanes)
-        accumulator = sums[:, 0] + sums[:, 1] + sums[:, 2] + sums[:, 3]
-    rest = _squared(torch.stack([leaf[blocks:] for leaf in leaves]), square)
-    packets = (count - blocks) // lanes * lanes
-    for column in range(0, packets, lanes):
-        accumulator = accumulator + rest[:, column : column + lanes]
-    tail = rest.new_zeros(len(leaves))
-    for column in range(packets, count - blocks):
-        tail = tail + rest[:, column]
-    while accumulator.shape[1] > 1:  # the upper half onto the lower, down to one lane
-        half = accumulator.shape[1] // 2
-        accumulator = accumulator[:, :half] + accumulator[:, half:]
-    return tail + accumulator[:, 0]
+def _eigen_sums(values: list[Tensor], *, square: bool) -> Tensor:
+    """:func:`eigen_sums`, differentiable, the tensors of each device summed together and the sums
+    gathered on the first's device."""
+    if torch.is_grad_enabled() and any(v.requires_grad for v in values):
+        return _EigenSums.apply(square, *values)
+    device = values[0].device
+    if all(v.device == device for v in values):
+        return eigen_sums(values, square=square)
+    groups: dict[torch.device, list[int]] = {}
+    for i, v in enumerate(values):
+        groups.setdefault(v.device, []).append(i)
+    sums = values[0].new_empty(len(values))
+    for members in groups.values():
+        sums[members] = eigen_sums([values[i] for i in members], square=square).to(device)
+    return sums
 
 
-def _squared(copy: Tensor, square: bool) -> Tensor:
-    """``copy * copy`` (or ``copy``), in place unless autograd records it (a norm may be differentiated)."""
-    if not square:
-        return copy
-    if copy.requires_grad and torch.is_grad_enabled():
-        return copy * copy
-    return copy.mul_(copy)
+class _EigenSums(torch.autograd.Function):
+    """Eigen's sums (computed without autograd) with their gradient: 1, or ``2 t`` for squares."""
+
+    @staticmethod
+    def forward(ctx: Any, square: bool, *values: Tensor) -> Tensor:
+        ctx.square = square
+        ctx.save_for_backward(*values)
+        return _eigen_sums(list(values), square=square)
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, ...]:
+        grads = [grad[i].to(v.device) for i, v in enumerate(ctx.saved_tensors)]
+        if ctx.square:
+            return (None, *(2 * g * v for g, v in zip(grads, ctx.saved_tensors, strict=True)))
+        return (None, *(g.expand_as(v) for g, v in zip(grads, ctx.saved_tensors, strict=True)))
+
+
+def _scale_all(values: list[Tensor | None], scale: Tensor, *, in_place: bool) -> list[Tensor | None]:
+    """Every tensor of ``values`` times ``scale`` (one multiplication each, TF's), one
+    ``torch._foreach_mul`` per device; in place, or new tensors. None stays None."""
+    groups: dict[torch.device, list[int]] = {}
+    for i, v in enumerate(values):
+        if v is not None:
+            groups.setdefault(v.device, []).append(i)
+    out: list[Tensor | None] = list(values)
+    for device, members in groups.items():
+        tensors = [values[i] for i in members]
+        factor = scale.to(device=device, dtype=tensors[0].dtype)
+        if in_place:
+            torch._foreach_mul_(tensors, factor)
+        elif torch.is_grad_enabled() and (factor.requires_grad or any(t.requires_grad for t in tensors)):
+            for i, t in zip(members, tensors, strict=True):  # foreach ops lack this derivative
+                out[i] = t * factor
+        else:
+            for i, product in zip(members, torch._foreach_mul(tensors, factor), strict=True):
+                out[i] = product
+    return out
+
+
+def _dtensor_class() -> type | None:
+    """torch's DTensor class, or None while ``torch.distributed.tensor`` is not imported (then no
+    DTensor exists, and the import, which is slow, is not made for nothing)."""
+    module = sys.modules.get("torch.distributed.tensor")
+    return None if module is None else module.DTensor
+
+
+def _summed_over_shards(sums: Tensor, tensors: list[Tensor]) -> Tensor:
+    """Each DTensor's sum over all its shards: its local sum all-reduced over the process group of
+    each mesh dimension it is sharded along (replicated dimensions hold the same values already)."""
+    dtensor = _dtensor_class()
+    if dtensor is None:
+        return sums
+    by_groups: dict[tuple[Any, ...], list[int]] = {}
+    for i, t in enumerate(tensors):
+        if isinstance(t, dtensor):
+            mesh = t.device_mesh
+            groups = tuple(mesh.get_group(d) for d, p in enumerate(t.placements) if p.is_shard())
+            if groups:
+                by_groups.setdefault(groups, []).append(i)
+    if not by_groups:
+        return sums
+    sums = sums.clone()
+    for groups, members in by_groups.items():
+        part = sums[members]
+        for group in groups:
+            torch.distributed.all_reduce(part, group=group)
+        sums[members] = part
+    return sums
 
 
 def _scale(norm: Tensor, clip_norm: float | Tensor) -> Tensor:
