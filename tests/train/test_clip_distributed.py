@@ -1,5 +1,5 @@
 """Clipping across replicas (CrossShardOptimizer) and across shards (DTensor, FSDP2), in 2 real
-processes on 127.0.0.1 (the checks are in tests/_clip_workers.py)."""
+processes on 127.0.0.1 (the checks are in tests/train/_clip_workers.py)."""
 
 from __future__ import annotations
 

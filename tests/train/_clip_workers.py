@@ -1,4 +1,4 @@
-"""The rank side of tests/test_clip_distributed.py: clipping across replicas and across shards.
+"""The rank side of tests/train/test_clip_distributed.py: clipping across replicas and across shards.
 
 ``run_checks`` joins a gloo group on 127.0.0.1, runs the named checks and reports ``(check, rank,
 traceback or None)``. Each check compares with a reference computed in the same process from
