@@ -364,6 +364,30 @@ def test_loss_scale_torch_style_unscale_clip_step(bad):
         assert opt.loss_scale().item() == scale / 2
 
 
+@pytest.mark.parametrize("style", ["tf", "torch"])
+def test_finite_gradients_whose_norm_overflows_skip_the_step_in_both_styles(style):
+    """Every gradient finite, their float32 sum of squares not: the global norm is inf, TF's rule
+    makes every clipped gradient NaN, and the loss scale skips the step (TF decides on the
+    gradients apply_gradients gets), also where unscale_() had found the gradients finite."""
+    params, opt, loss = _lso_setup()
+    before, scale = [p.detach().clone() for p in params], opt.loss_scale().item()
+    huge = torch.full_like(params[0], 1e19)
+    if style == "tf":
+        grads_and_vars = opt.compute_gradients(loss)
+        grads = [huge, *(g for g, _ in grads_and_vars[1:])]
+        clipped, norm = train.clip_by_global_norm(grads, 1.0)
+        opt.apply_gradients(zip(clipped, params, strict=True))
+    else:
+        opt.get_scaled_loss(loss).backward()
+        opt.unscale_()
+        params[0].grad.copy_(huge)
+        norm = train.clip_by_global_norm_(params, 1.0)
+        opt.step()
+    assert torch.isinf(norm)
+    assert all(torch.equal(p.detach(), b) for p, b in zip(params, before, strict=True))
+    assert opt.loss_scale().item() == scale / 2
+
+
 def test_strided_and_expanded_tensors_are_summed_by_their_values():
     gen = torch.Generator().manual_seed(5)
     x, y = torch.randn(300, 70, generator=gen), torch.randn(20001, generator=gen)

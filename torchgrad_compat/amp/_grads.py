@@ -13,10 +13,8 @@ import torch
 from torch import Tensor
 from torch.distributed.tensor import DTensor
 
-from ..optim.wrapper import (
-    SameMeta,
-    bytes_spanned,
-)
+from .._torch_internals import version
+from ..optim.wrapper import SameMeta, bytes_spanned
 
 _HALF_DTYPES = (torch.float16, torch.bfloat16)
 _NBYTES_OF = operator.attrgetter("nbytes")
@@ -33,7 +31,7 @@ class _StepMarks:
     ``step()`` through the optimizer agree.
     """
 
-    __slots__ = ("backward_after_unscale", "found_inf", "scaled_backward", "stepped", "unscaled")
+    __slots__ = ("backward_after_unscale", "found_inf", "left", "scaled_backward", "stepped", "unscaled")
 
     def __init__(self) -> None:
         self.clear()
@@ -44,12 +42,29 @@ class _StepMarks:
         self.stepped = False  # an update used the gradients since the last zero_grad()
         self.unscaled = False  # unscale_() (or a step() that raised) divided p.grad by the scale
         self.found_inf: Tensor | None = None  # then: its non-finite flag
+        # and each p.grad as unscale_() left it, with its version then (see changed_since_unscale)
+        self.left: list[tuple[Tensor | None, int]] = []
         self.backward_after_unscale = False  # and a scaled backward pass came after it
 
     def updated(self) -> None:
         """An update used the gradients: the next one needs a new scaled backward pass."""
         self.clear()
         self.stepped = True
+
+    def leave(self, grads: list[Tensor | None]) -> None:
+        """``unscale_()`` left ``p.grad`` so (one entry per parameter)."""
+        self.left = [(g, -1 if g is None else version(g)) for g in grads]
+
+    def changed_since_unscale(self, grads: list[Tensor | None]) -> bool:
+        """Whether some ``p.grad`` was replaced or written in place since ``unscale_()`` (clipped,
+        for one): its check of the gradients no longer speaks for them."""
+        left = self.left
+        if len(left) != len(grads):
+            return True
+        return any(
+            g is not was or (g is not None and version(g) != v)
+            for g, (was, v) in zip(grads, left, strict=True)
+        )
 
     def record_scaled_backward(self, grad: Tensor) -> None:
         """The tensor hook on ``get_scaled_loss``'s result: a backward pass went through it."""

@@ -247,8 +247,12 @@ class LossScaleOptimizer(OptimizerWrapper):
     def unscale_(self) -> None:
         """Divide every ``p.grad`` by the scale in place now, e.g. to clip them before ``step()``.
 
-        ``step()`` then uses the non-finite check made here. ``zero_grad()``
-        forgets it.
+        ``step()`` then uses the non-finite check made here, unless a gradient
+        was written or replaced since (clipped, for one): then ``step()`` checks
+        them again as they are, and skips the update if one is not finite (TF
+        decides on the gradients it applies, and TF's ``clip_by_global_norm``
+        turns every gradient into NaN when their norm is not finite).
+        ``zero_grad()`` forgets it.
 
         Raises:
             RuntimeError: ``unscale_()`` was already called since the last
@@ -263,6 +267,7 @@ class LossScaleOptimizer(OptimizerWrapper):
             )
         marks.found_inf, _, _ = self._unscale_grads("unscale_")
         marks.unscaled = True
+        marks.leave(list(map(GRAD_OF, self._all_params())))
 
     def step(self, closure: Callable[[], Any] | None = None) -> Any:
         """Unscale ``p.grad`` in place (unless ``unscale_()`` did), update the scale, apply or skip.
@@ -314,6 +319,10 @@ class LossScaleOptimizer(OptimizerWrapper):
                 marks.found_inf, kind, unscaling = self._unscale_grads("step")
                 marks.unscaled = unscaling is None
             found_inf = marks.found_inf
+            if not checked and found_inf is not None:
+                grads = list(map(GRAD_OF, self._all_params()))
+                if marks.changed_since_unscale(grads):
+                    found_inf = torch.maximum(found_inf, found_non_finite(grads, found_inf.device))
             try:
                 with self._scale_restored_on_error():
                     if found_inf is not None and _skips_on_device(self._optimizer):
