@@ -4,6 +4,7 @@
     python scripts/train.py --optimizer ftrl --style tf   # TF style: opt.minimize(loss)
     python scripts/train.py --optimizer momentum --lr 0.05 --steps 1000 --device cuda
     python scripts/train.py --loss-scale dynamic          # autocast + LossScaleOptimizer
+    python scripts/train.py --decay cosine --warmup-steps 30 --clip-norm 1.0 --ema 0.99
     PJRT_DEVICE=CPU python scripts/train.py --device xla  # torch_xla, one replica
     torchrun --nproc-per-node 2 scripts/train.py --cross-shard   # CrossShardOptimizer, gloo
     python scripts/train.py --steps 100 --save run.pt       # then continue it:
@@ -23,6 +24,14 @@ and print the same numbers:
 
 - ``torch``: ``opt.zero_grad(); loss.backward(); opt.step()``;
 - ``tf``:    ``opt.minimize(loss, global_step=global_step)``.
+
+The rest of a TF1 training loop, from ``torchgrad_compat.train``, with TF's numbers:
+``--decay`` computes the learning rate from ``global_step`` at every step (with
+``--warmup-steps``, BERT's linear warm-up first); ``--clip-norm`` clips the
+gradients by their global norm before each update (after the loss scale's
+unscaling, after the cross-replica sum); ``--ema`` keeps an exponential moving
+average of the weights, updated after each step, and reports the held-out accuracy
+of the averaged weights too (as a TF1 run evaluates them).
 """
 
 from __future__ import annotations
@@ -45,6 +54,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 from torch.nn import functional as F
 
+from torchgrad_compat import train as tf_train
 from torchgrad_compat.amp import LossScaleOptimizer
 from torchgrad_compat.optim import (
     AdadeltaOptimizer,
@@ -228,8 +238,42 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="none, dynamic, or a fixed number >= 1: wrap the optimizer in LossScaleOptimizer and "
         "compute the loss under torch.autocast (float16 on CUDA, bfloat16 on CPU and XLA)",
     )
+    parser.add_argument(
+        "--decay",
+        choices=sorted(DECAYS),
+        default=None,
+        help="a TF learning-rate decay of the optimizer's learning rate, computed from global_step",
+    )
+    parser.add_argument("--decay-steps", type=int, default=100, help="the decay's decay_steps")
+    parser.add_argument("--decay-rate", type=float, default=0.5, help="exponential decay's decay_rate")
+    parser.add_argument(
+        "--warmup-steps", type=int, default=0, help="a linear warm-up from 0 over these steps first"
+    )
+    parser.add_argument(
+        "--clip-norm",
+        type=float,
+        default=None,
+        help="clip the gradients by their global norm (TF's clip_by_global_norm) before each update",
+    )
+    parser.add_argument(
+        "--ema",
+        type=float,
+        default=None,
+        metavar="DECAY",
+        help="keep an ExponentialMovingAverage of the weights with this decay (num_updates=global_step)",
+    )
     args = parser.parse_args(argv)
     args.loss_scale = _loss_scale(parser, args.loss_scale)
+    if args.decay_steps < 1:
+        parser.error(f"--decay-steps must be at least 1, got {args.decay_steps}")
+    if not 0 < args.decay_rate <= 1:
+        parser.error(f"--decay-rate must be in (0, 1], got {args.decay_rate}")
+    if args.warmup_steps < 0:
+        parser.error(f"--warmup-steps must be >= 0, got {args.warmup_steps}")
+    if args.clip_norm is not None and not 0 < args.clip_norm < math.inf:
+        parser.error(f"--clip-norm must be a positive finite number, got {args.clip_norm}")
+    if args.ema is not None and not 0 <= args.ema <= 1:
+        parser.error(f"--ema must be a decay in [0, 1], got {args.ema}")
     if args.cross_shard and "RANK" not in os.environ:
         parser.error(
             "--cross-shard runs under torchrun: torchrun --nproc-per-node 2 scripts/train.py --cross-shard"
@@ -270,6 +314,41 @@ def optimizer_settings(name: str, lr: float | None) -> tuple[type[Optimizer], di
     return cls, hyperparameters
 
 
+# --decay: each TF decay of the learning rate lr over --decay-steps steps.
+DECAYS = {
+    "exponential": lambda lr, step, args: tf_train.exponential_decay(
+        lr, step, args.decay_steps, args.decay_rate
+    ),
+    "polynomial": lambda lr, step, args: tf_train.polynomial_decay(
+        lr, step, args.decay_steps, end_learning_rate=lr / 100
+    ),
+    "cosine": lambda lr, step, args: tf_train.cosine_decay(lr, step, args.decay_steps, alpha=0.01),
+}
+
+
+def decay_of(args: argparse.Namespace, lr: float) -> tf_train.LearningRateDecay | None:
+    """--decay (and --warmup-steps) of ``lr``, or None for a constant learning rate."""
+    if args.decay is None and not args.warmup_steps:
+        return None
+    if args.decay is None:  # a warm-up alone: then the constant learning rate
+        decayed = tf_train.piecewise_constant(None, [args.warmup_steps], [lr, lr])
+    else:
+        decayed = DECAYS[args.decay](lr, None, args)
+    return tf_train.linear_warmup(lr, decayed, args.warmup_steps) if args.warmup_steps else decayed
+
+
+def decay_schedule(args: argparse.Namespace, opt: Optimizer, lr: float, start: int) -> Any:
+    """A ``DecayLR`` scheduler at step ``start`` (TF's global_step: each learning rate is the
+    decay's float32 value at the step), or None. A resumed run's learning rate is its decay's
+    at the step it resumes from, as TF's is: nothing but the step needs saving."""
+    decay = decay_of(args, lr)
+    if decay is None:
+        return None
+    for group in opt.param_groups:
+        group["initial_lr"] = lr  # (what a torch scheduler made at step 0 would have kept)
+    return tf_train.DecayLR(opt, decay, last_epoch=start - 1)
+
+
 def describe_run(
     args: argparse.Namespace, opt: torch.optim.Optimizer, hyperparameters: dict[str, Any]
 ) -> None:
@@ -308,16 +387,23 @@ def train(args: argparse.Namespace) -> None:
     train_set, held_out = (data.to(device) for data in make_datasets(args.seed))
     model = Classifier(sparse=device.type != "xla").to(device)
     cls, hyperparameters = optimizer_settings(args.optimizer, args.lr)
+    # TF's global_step: minimize() moves it in the TF style, the loop in the torch style; the
+    # moving averages read it at every step.
+    global_step = torch.zeros((), dtype=torch.int64, device=device)
     opt = cls(model.parameters(), **hyperparameters)
     inner = opt
-    start = 0
-    if args.resume is not None:
-        start = resume(args, model, inner, device)
+    # Shadows start at the initial weights (a resumed run loads its own below).
+    ema = tf_train.ExponentialMovingAverage(args.ema, num_updates=global_step) if args.ema else None
+    if ema is not None:
+        ema.apply(model.named_parameters())
     if args.cross_shard:
         opt = CrossShardOptimizer(opt)  # reduction="mean": the gradient of the whole batch
     if args.loss_scale is not None:
         opt = LossScaleOptimizer(opt, args.loss_scale)  # around everything: every rank skips together
-    global_step = torch.full((), start, dtype=torch.int64, device=device)  # TF style only
+    # (Saved and loaded through the outermost optimizer: a loss scale's state is in the groups.)
+    start = 0 if args.resume is None else resume(args, model, opt, device, ema)
+    global_step.fill_(start)
+    schedule = decay_schedule(args, inner, hyperparameters["learning_rate"], start)
     batches = batch_indices(args.seed)
     for _ in range(start):
         next(batches)  # the batches the resumed run already trained on
@@ -335,9 +421,22 @@ def train(args: argparse.Namespace) -> None:
         if args.style == "torch":
             opt.zero_grad()
             (opt.get_scaled_loss(loss) if args.loss_scale is not None else loss).backward()
+            if args.clip_norm is not None:
+                if args.loss_scale is not None:
+                    opt.unscale_()  # clip the unscaled gradients
+                tf_train.clip_by_global_norm_(model.parameters(), args.clip_norm)
             opt.step()
-        else:
+            global_step += 1
+        elif args.clip_norm is None:
             opt.minimize(loss, global_step=global_step)  # LossScaleOptimizer scales it itself
+        else:
+            grads, params = zip(*opt.compute_gradients(loss), strict=True)  # unscaled, summed
+            clipped, _ = tf_train.clip_by_global_norm(list(grads), args.clip_norm)
+            opt.apply_gradients(zip(clipped, params, strict=True), global_step=global_step)
+        if schedule is not None:
+            schedule.step()  # the learning rate of the next step
+        if ema is not None:
+            ema.apply(model.named_parameters())
         if device.type == "xla":
             end_of_step()
         if (step - start) % log_every == 0 or step == start + args.steps:
@@ -346,6 +445,10 @@ def train(args: argparse.Namespace) -> None:
     seconds = time.perf_counter() - started
 
     _, held_out_accuracy = evaluate(model, held_out)
+    if ema is not None:
+        with ema.swapped(model.named_parameters()):
+            _, averaged_accuracy = evaluate(model, held_out)
+        print(f"held-out accuracy of the moving averages (decay {args.ema}): {averaged_accuracy:.1%}")
     counted = f" (global_step {int(global_step)})" if args.style == "tf" else ""
     if args.loss_scale is not None:
         counted += f", final loss scale {float(opt.loss_scale()):g}"
@@ -354,33 +457,48 @@ def train(args: argparse.Namespace) -> None:
         f"{first_loss:.4f} -> {last_loss:.4f}, held-out accuracy {held_out_accuracy:.1%}"
     )
     if args.save is not None and rank == 0:
-        save(args.save, model, inner, start + args.steps, args.optimizer)
+        save(args.save, model, opt, start + args.steps, args.optimizer, ema)
         print(f"saved step {start + args.steps} to {args.save}")
 
 
-def save(path: Path, model: nn.Module, opt: Optimizer, step: int, optimizer: str) -> None:
-    """What --resume reads: the model's and the optimizer's state_dicts, the step count, the optimizer."""
-    torch.save(
-        {
-            "model": model.state_dict(),
-            "optimizer": opt.state_dict(),
-            "step": step,
-            "optimizer_name": optimizer,
-        },
-        path,
-    )
+def save(
+    path: Path,
+    model: nn.Module,
+    opt: torch.optim.Optimizer,
+    step: int,
+    optimizer: str,
+    ema: tf_train.ExponentialMovingAverage | None = None,
+) -> None:
+    """What --resume reads: the model's and the optimizer's state_dicts, the step count, the
+    optimizer, and the moving averages (with --ema)."""
+    saved = {"model": model.state_dict(), "optimizer": opt.state_dict(), "step": step}
+    saved["optimizer_name"] = optimizer
+    if ema is not None:
+        saved["ema"] = ema.state_dict()
+    torch.save(saved, path)
 
 
-def resume(args: argparse.Namespace, model: nn.Module, opt: Optimizer, device: torch.device) -> int:
-    """Load a --save (or convert_tf_checkpoint.py) file into the model and optimizer; the steps it ran."""
+def resume(
+    args: argparse.Namespace,
+    model: nn.Module,
+    opt: torch.optim.Optimizer,
+    device: torch.device,
+    ema: tf_train.ExponentialMovingAverage | None = None,
+) -> int:
+    """Load a --save (or convert_tf_checkpoint.py) file into the model, optimizer and moving
+    averages; the steps it ran."""
     saved = torch.load(args.resume, map_location=device, weights_only=True)
     if saved["optimizer_name"] != args.optimizer:
         raise SystemExit(
             f"--resume {str(args.resume)!r} holds a {saved['optimizer_name']} run; "
             f"pass --optimizer {saved['optimizer_name']} (its state does not fit {args.optimizer}'s)"
         )
+    if ema is not None and "ema" not in saved:
+        raise SystemExit(f"--resume {str(args.resume)!r} holds no moving averages: drop --ema, or start anew")
     model.load_state_dict(saved["model"])
     opt.load_state_dict(saved["optimizer"])
+    if ema is not None:
+        ema.load_state_dict(saved["ema"])
     print(f"resumed {args.resume} at step {saved['step']}")
     return int(saved["step"])
 

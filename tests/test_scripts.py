@@ -121,6 +121,58 @@ def test_train_script_resumes_bitwise(tmp_path: Path) -> None:
     assert all(torch.equal(whole["model"][k], resumed["model"][k]) for k in whole["model"])
 
 
+# A TF1 training loop's other parts: a cosine decay after a linear warm-up, clipping by the global
+# norm, a moving average of the weights.
+LOOP = [
+    "--decay",
+    "cosine",
+    "--warmup-steps",
+    "3",
+    "--decay-steps",
+    "8",
+    "--clip-norm",
+    "0.5",
+    "--ema",
+    "0.9",
+]
+
+
+@pytest.mark.parametrize("extra", [[], ["--loss-scale", "dynamic"]], ids=["bare", "loss-scale"])
+def test_train_script_with_decay_clipping_and_ema_resumes_bitwise(tmp_path: Path, extra: list[str]) -> None:
+    """With --decay, --clip-norm and --ema: the TF style prints the torch style's numbers, and 4
+    steps, --save, --resume for 4 more end with the weights, optimizer state and averages of 8
+    steps in one run, bitwise, at the decay's learning rate of step 8."""
+    import torch
+
+    from torchgrad_compat import train
+
+    whole = _train("--steps", "8", *LOOP, *extra, "--save", str(tmp_path / "whole.pt"))
+    if not extra:
+        assert _train("--steps", "8", "--style", "tf", *LOOP) == whole
+    _train("--steps", "4", *LOOP, *extra, "--save", str(tmp_path / "half.pt"))
+    _train(
+        "--resume",
+        str(tmp_path / "half.pt"),
+        "--steps",
+        "4",
+        *LOOP,
+        *extra,
+        "--save",
+        str(tmp_path / "resumed.pt"),
+    )
+    one, two = (torch.load(tmp_path / f, weights_only=True) for f in ("whole.pt", "resumed.pt"))
+    assert one["step"] == two["step"] == 8
+    for part in ("model", "ema"):
+        assert one[part].keys() == two[part].keys()
+        assert all(torch.equal(one[part][k], two[part][k]) for k in one[part])
+    assert any(
+        not torch.equal(one["ema"][f"{k}/ExponentialMovingAverage"], v) for k, v in one["model"].items()
+    )
+    lr = train.linear_warmup(0.01, train.cosine_decay(0.01, None, 8, alpha=0.01), 3).at(8)
+    assert [g["lr"] for g in two["optimizer"]["param_groups"]] == [lr]
+    assert torch.equal(one["optimizer"]["state"][0]["m"], two["optimizer"]["state"][0]["m"])
+
+
 def test_amp_bench_smoke() -> None:
     """scripts/bench_amp.py: a row per inner optimizer, with the bare step, both loss scales and
     GradScaler."""
