@@ -147,6 +147,30 @@ def test_a_var_map_of_aliases_carries_the_shadows(tmp_path: Path) -> None:
     assert torch.equal(run.ema.average(run.layer.weight).T, torch.from_numpy(_saved()[SHADOWS[0]]))
 
 
+def test_views_of_part_of_a_variable_take_the_same_view_of_its_shadow(tmp_path: Path) -> None:
+    """TF's separate q and k kernels as row blocks of one torch weight: each shadow is the block of
+    the weight's shadow, in TF's layout."""
+    weight = torch.nn.Parameter(torch.randn(6, 3))
+    ema = ExponentialMovingAverage(0.5)
+    ema.apply({"in_proj_weight": weight})
+    with torch.no_grad():
+        weight.add_(1.0)
+    ema.apply([weight])
+    var_map = {"q/kernel": (weight[:3], "transpose"), "k/kernel": (weight[3:], "transpose")}
+    prefix = save_tf_checkpoint(tmp_path / "model.ckpt", var_map, ema=ema)
+    from torchgrad_compat.checkpoint._bundle import BundleReader
+
+    reader = BundleReader(prefix)
+    assert torch.equal(reader.read("q/kernel/ExponentialMovingAverage"), ema.average(weight)[:3].T)
+    assert torch.equal(reader.read("k/kernel/ExponentialMovingAverage"), ema.average(weight)[3:].T)
+    copy = torch.nn.Parameter(torch.zeros(6, 3))
+    copy_ema = ExponentialMovingAverage(0.5)
+    copy_ema.apply({"in_proj_weight": copy})
+    copy_map = {"q/kernel": (copy[:3], "transpose"), "k/kernel": (copy[3:], "transpose")}
+    load_tf_checkpoint(prefix, copy_map, ema=copy_ema)
+    assert torch.equal(copy, weight) and torch.equal(copy_ema.average(copy), ema.average(weight))
+
+
 def test_a_shadow_of_another_shape_raises_and_changes_nothing(tmp_path: Path) -> None:
     run = Run()
     run.train_step(seed=0)  # slots and averages of its own, which the failed load must keep
