@@ -232,6 +232,21 @@ def test_an_ema_not_yet_applied_raises_and_changes_nothing(tmp_path: Path) -> No
     assert list(tmp_path.iterdir()) == []
 
 
+def test_inside_swapped_raises_and_changes_nothing(tmp_path: Path) -> None:
+    """The variables hold the averages until the block ends: a save would write them as weights,
+    a load's weights would be undone when it ends."""
+    run = Run()
+    run.train_step(seed=0)
+    before = run.snapshot()
+    with run.ema.swapped():
+        with pytest.raises(RuntimeError, match="inside ema.swapped"):
+            load_tf_checkpoint(FIXTURE, run.var_map, run.opt, ema=run.ema)
+        with pytest.raises(RuntimeError, match="inside ema.swapped"):
+            save_tf_checkpoint(tmp_path / "model.ckpt", run.var_map, run.opt, ema=run.ema)
+    _assert_unchanged(run, before)
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_bad_ema_arguments() -> None:
     run = Run()
     with pytest.raises(TypeError, match="ema must be a torchgrad_compat.train.ExponentialMovingAverage"):

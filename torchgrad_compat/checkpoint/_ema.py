@@ -22,12 +22,20 @@ def ema_targets(
 
     Raises:
         TypeError: ``ema`` is not an ``ExponentialMovingAverage``.
+        RuntimeError: inside ``ema.swapped()``.
         ValueError: ``ema`` holds no averages, averages a variable ``var_map`` does not map,
             or the checkpoint is object-based.
     """
     if not isinstance(ema, ExponentialMovingAverage):
         raise TypeError(
             f"ema must be a torchgrad_compat.train.ExponentialMovingAverage, got {type(ema).__name__}"
+        )
+    if ema.is_swapped:
+        # The variables hold the averages until the block ends, and then get their trained values
+        # back: a save would write averages as weights, a load's weights would be undone.
+        raise RuntimeError(
+            "ema= inside ema.swapped(): the variables hold their averages until the block ends; "
+            "save or load the checkpoint after it"
         )
     if object_based:
         # TF2's tf.train.ExponentialMovingAverage is not trackable: tf.train.Checkpoint refuses it,

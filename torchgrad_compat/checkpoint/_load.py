@@ -159,6 +159,7 @@ def load_tf_checkpoint(
         TypeError: a bad argument type.
         ValueError: ``ema`` holds no averages yet, averages a variable that
             ``var_map`` does not map, or is given for an object-based checkpoint.
+        RuntimeError: ``ema`` is inside its ``swapped()`` block.
 
     Loading is all or nothing and holds one copy of the data: first every
     name, shape and dtype is checked and every tensor's CRC32C computed as its

@@ -95,6 +95,8 @@ def save_tf_checkpoint(
             tensor or the argument.
         CorruptCheckpointError: the directory's ``checkpoint`` state file, or
             with ``append=True`` the checkpoint at ``path``, cannot be read.
+        RuntimeError: ``ema`` is inside its ``swapped()`` block (the variables
+            hold the averages).
         OSError: a write failed (a full disk); the error names the file.
 
     A save is all or nothing. It reads and checks the directory's state file
