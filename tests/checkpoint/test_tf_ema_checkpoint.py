@@ -208,6 +208,18 @@ def test_a_checkpoint_without_averages_raises_naming_each_and_changes_nothing() 
     _assert_unchanged(run, before)
 
 
+def test_strict_false_leaves_the_averages_a_checkpoint_lacks() -> None:
+    """A run trained without an EMA: its weights and slots load, the shadows keep their values."""
+    run = Run()
+    before = {k: v.clone() for k, v in run.ema.state_dict().items()}
+    info = load_tf_checkpoint(MOMENTUM_FIXTURE, run.var_map, run.opt, ema=run.ema, strict=False)
+    assert set(info.skipped) == {*SHADOWS, MEAN, f"{MEAN}/biased", f"{MEAN}/local_step"}
+    assert all(why == "not in the checkpoint" for why in info.skipped.values())
+    assert {"dense/kernel", "dense/kernel/Momentum"} <= set(info.loaded)
+    for key, value in run.ema.state_dict().items():
+        assert torch.equal(value, before[key]), key
+
+
 def test_an_average_of_a_variable_not_in_var_map_raises_and_changes_nothing(tmp_path: Path) -> None:
     run = Run()
     before = run.snapshot()
