@@ -14,7 +14,9 @@ from torch import Tensor
 
 from .. import optim as tgo
 from ..optim.wrapper import check_no_shared_elements
+from ..train import ExponentialMovingAverage
 from ._bundle import BundleEntry, BundleReader, CorruptCheckpointError
+from ._ema import ema_targets
 from ._errors import CheckpointMismatchError
 from ._mapping import (
     _ATTRIBUTE,
@@ -76,6 +78,7 @@ def load_tf_checkpoint(
     var_map: Mapping[str, Tensor | tuple[Tensor, Any]],
     optimizer: torch.optim.Optimizer | None = None,
     *,
+    ema: ExponentialMovingAverage | None = None,
     optimizer_name: str | None = None,
     non_slot_suffix: str | None = None,
     loss_scale_suffix: str | None = None,
@@ -106,6 +109,15 @@ def load_tf_checkpoint(
             optimizer-wide state from TF's (Adam's ``beta1_power`` /
             ``beta2_power``; AdagradDA's step from the global step; a dynamic
             loss scale's ``current_loss_scale`` and ``good_steps``).
+        ema: a ``torchgrad_compat.train.ExponentialMovingAverage`` (applied
+            once, so that its shadows exist): each averaged variable's shadow
+            is filled from ``<its var_map name>/<ema.name>`` (TF1's
+            ``dense/kernel/ExponentialMovingAverage``), in the variable's
+            layout; the averages of tensors (``tensors=``) and their
+            zero-debias ``biased`` / ``local_step`` from the names
+            ``ema.state_dict()`` gives them. Name-based checkpoints only (TF2's
+            EMA is not trackable, so ``tf.train.Checkpoint`` holds no shadows
+            by TF's names: map those in ``var_map``).
         optimizer_name: TF's ``name=`` of the optimizer when it was not the default.
         non_slot_suffix: name-based checkpoints only. A TF1 graph with two Adam
             optimizers holds ``beta1_power`` for the first and ``beta1_power_1``
@@ -145,6 +157,9 @@ def load_tf_checkpoint(
             checkpoint, a shape or dtype differs, or a dtype has no torch
             counterpart; its ``problems`` lists every one. Nothing has been changed.
         TypeError: a bad argument type.
+        ValueError: ``ema`` holds no averages yet, averages a variable that
+            ``var_map`` does not map, or is given for an object-based checkpoint.
+        RuntimeError: ``ema`` is inside its ``swapped()`` block.
 
     Loading is all or nothing and holds one copy of the data: first every
     name, shape and dtype is checked and every tensor's CRC32C computed as its
@@ -159,7 +174,7 @@ def load_tf_checkpoint(
         raise TypeError(f"strict must be a bool, got {type(strict).__name__}: {strict!r}")
     with BundleReader(_resolve_prefix(path)) as reader:
         return _load(
-            reader, var_map, optimizer, optimizer_name, non_slot_suffix, loss_scale_suffix, scope, strict
+            reader, var_map, optimizer, ema, optimizer_name, non_slot_suffix, loss_scale_suffix, scope, strict
         )
 
 
@@ -167,6 +182,7 @@ def _load(
     reader: BundleReader,
     var_map: Mapping[str, Tensor | tuple[Tensor, Any]],
     optimizer: torch.optim.Optimizer | None,
+    ema: ExponentialMovingAverage | None,
     optimizer_name: str | None,
     non_slot_suffix: str | None,
     loss_scale_suffix: str | None,
@@ -204,6 +220,8 @@ def _load(
     )
     step_name = global_step_name or _GLOBAL_STEP_NAMES["object" if object_based else "name"][0]
     targets, fresh_slots = _targets(parsed, parts, opt, loss_scale, names, step_name)
+    if ema is not None:
+        targets += ema_targets(parsed, ema, object_based)
 
     # 1. Validate everything, reading no data into memory.
     mismatched, corrupt = _validate(reader, targets, global_step_name)

@@ -202,7 +202,14 @@ def _as_parameters(
     separate q/k/v kernels as row blocks of one ``in_proj_weight``, or ``weight.T``) has as its
     slots the same view of the parameter's slots (see :func:`_slot_view`).
     """
-    params = [p for group in opt.param_groups for p in group["params"]]
+    return _resolve_against(parsed, [p for group in opt.param_groups for p in group["params"]])
+
+
+def _resolve_against(
+    parsed: dict[str, tuple[Tensor, tuple[int, ...] | None]], params: list[Tensor]
+) -> tuple[dict[str, tuple[Tensor, tuple[int, ...] | None]], dict[str, Tensor]]:
+    """:func:`_as_parameters` against any tensors that own state (an optimizer's parameters, the
+    variables an ``ExponentialMovingAverage`` averages)."""
     managed = set(map(id, params))
     if all(id(t) in managed for t, _ in parsed.values()):
         return parsed, {}

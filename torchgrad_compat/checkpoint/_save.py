@@ -11,7 +11,9 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from ..train import ExponentialMovingAverage
 from ._bundle import BundleReader, check_writable, write_bundle
+from ._ema import ema_targets
 from ._mapping import (
     _FILE_SUFFIX,
     _OBJECT_GRAPH,
@@ -33,6 +35,7 @@ def save_tf_checkpoint(
     var_map: Mapping[str, Tensor | tuple[Tensor, Any]],
     optimizer: torch.optim.Optimizer | None = None,
     *,
+    ema: ExponentialMovingAverage | None = None,
     global_step: int | Tensor | None = None,
     optimizer_name: str | None = None,
     non_slot_suffix: str = "",
@@ -53,6 +56,12 @@ def save_tf_checkpoint(
         optimizer: its slots (initial values where it has not stepped), its
             optimizer-wide state and, for a ``LossScaleOptimizer`` with a
             dynamic scale, ``current_loss_scale`` and ``good_steps``, under TF's names.
+        ema: a ``torchgrad_compat.train.ExponentialMovingAverage``: its shadows
+            under TF1's names (``<var_map name>/<ema.name>``, in TF's layout),
+            which a ``Saver`` restores into the graph's
+            ``tf.compat.v1.train.ExponentialMovingAverage``, and the averages of
+            tensors under the names ``ema.state_dict()`` gives them. Every
+            variable it averages must be in ``var_map``.
         global_step: written as the int64 ``global_step`` variable. For
             AdagradDA (whose step is TF's global step) it defaults to the
             optimizer's own counter, and must agree with it when given.
@@ -81,10 +90,13 @@ def save_tf_checkpoint(
             a checkpoint's file does (``.index``, ``.data-00000-of-00001``); a
             tensor name that is empty, holds a NUL, is not valid Unicode or is
             ``_CHECKPOINTABLE_OBJECT_GRAPH``; a meta, sparse or nested tensor; a
-            ``global_step`` outside ``[0, 2**63 - 1]``. Each names the path, the
+            ``global_step`` outside ``[0, 2**63 - 1]``; an ``ema`` that holds no
+            averages yet or averages a variable ``var_map`` lacks. Each names the path, the
             tensor or the argument.
         CorruptCheckpointError: the directory's ``checkpoint`` state file, or
             with ``append=True`` the checkpoint at ``path``, cannot be read.
+        RuntimeError: ``ema`` is inside its ``swapped()`` block (the variables
+            hold the averages).
         OSError: a write failed (a full disk); the error names the file.
 
     A save is all or nothing. It reads and checks the directory's state file
@@ -123,6 +135,8 @@ def save_tf_checkpoint(
     step = _check_step_arg(global_step)
 
     targets, _ = _targets(parsed, parts, opt, loss_scale, names, "global_step")
+    if ema is not None:
+        targets += ema_targets(parsed, ema, False)
     tensors: dict[str, Tensor] = {}
     for target in targets:
         value = _to_tf_layout(target.tensor, target.perm).detach()

@@ -47,21 +47,28 @@ _LAYOUTS: dict[int, tuple[Any, ...]] = {
 }
 
 
-def _model_variables(reader: BundleReader) -> list[str]:
-    """The checkpoint's names that are model variables, not slots or optimizer-wide state."""
+def _model_variables(reader: BundleReader, ema_name: str) -> tuple[list[str], list[str]]:
+    """The checkpoint's names that are model variables (not slots or optimizer-wide state), and
+    those that are moving averages (``<name>/<ema_name>``, and the ``biased`` and ``local_step``
+    of a zero-debiased one)."""
     names = [n for n in reader.entries if n != _OBJECT_GRAPH and reader.entries[n].torch_dtype is not None]
     plain = {n.removesuffix(_ATTRIBUTE) for n in names}
-    out = []
+    out, averages = [], []
     for name in names:
         path = name.removesuffix(_ATTRIBUTE)
         parts = path.split("/")
+        if parts[-1] == ema_name or (parts[-2:-1] == [ema_name] and parts[-1] in ("biased", "local_step")):
+            # A variable's shadow is its variable's name plus the suffix, as a slot is; a
+            # tensor's (a batch's moments) has no variable beside it, and is no model weight.
+            averages.append(path)
+            continue
         if "/.OPTIMIZER_SLOT/" in name or parts[-1] in _NOT_MODEL:
             continue
         # A name-based slot is its variable's name plus "/<optimizer name>[_i]".
         if any("/".join(parts[:i]) in plain for i in range(1, len(parts))):
             continue
         out.append(path)
-    return sorted(out)
+    return sorted(out), sorted(averages)
 
 
 def _torch_path(tf_name: str) -> list[str]:
@@ -114,11 +121,15 @@ class SuggestedVarMap(dict):
         matches: every pair, in checkpoint order, as :class:`Match`.
         unmatched_checkpoint: the checkpoint's model variables no tensor was found for (name, shape).
         unmatched_module: the module's parameters and buffers left out (name, shape).
+        averages: the checkpoint's moving averages (name, shape): never model
+            variables; ``load_tf_checkpoint(..., ema=ema)`` reads them by the
+            names of the variables in ``var_map``.
     """
 
     matches: list[Match]
     unmatched_checkpoint: list[tuple[str, tuple[int, ...]]]
     unmatched_module: list[tuple[str, tuple[int, ...]]]
+    averages: list[tuple[str, tuple[int, ...]]]
 
     def report(self) -> str:
         """What matched (and how, with the layout) and what did not, as plain text."""
@@ -131,6 +142,8 @@ class SuggestedVarMap(dict):
         lines += [f"  {name} {list(shape)}" for name, shape in self.unmatched_checkpoint]
         lines.append(f"module tensors left out: {len(self.unmatched_module)}")
         lines += [f"  {name} {list(shape)}" for name, shape in self.unmatched_module]
+        lines.append(f"moving averages (load them with ema=): {len(self.averages)}")
+        lines += [f"  {name} {list(shape)}" for name, shape in self.averages]
         return "\n".join(lines)
 
 
@@ -145,7 +158,11 @@ def _layer_and_leaf(name: str, sep: str) -> tuple[str, str]:
 
 
 def suggest_var_map(
-    path: str | os.PathLike[str], module: torch.nn.Module, *, verbose: bool = False
+    path: str | os.PathLike[str],
+    module: torch.nn.Module,
+    *,
+    verbose: bool = False,
+    ema_name: str = "ExponentialMovingAverage",
 ) -> SuggestedVarMap:
     """Match a checkpoint's model variables to ``module``'s parameters and buffers: a ``var_map`` to review.
 
@@ -167,12 +184,17 @@ def suggest_var_map(
     Linear's [out, in]), or ``[spatial..., in, out]`` -> ``[out, in,
     spatial...]`` for convolution kernels (Conv2D's HWIO -> OIHW). Optimizer
     slots and optimizer-wide variables are never suggested; variables that
-    nothing fits are left out and reported.
+    nothing fits are left out and reported. Moving averages (TF1's
+    ``<name>/ExponentialMovingAverage``, with a zero-debiased one's ``biased``
+    and ``local_step``) are never suggested either, nor counted as left out:
+    they are listed in ``averages``, for ``load_tf_checkpoint``'s ``ema=``.
 
     Args:
         path: a checkpoint prefix, or a directory (its latest checkpoint).
         module: the torch model.
         verbose: print :meth:`SuggestedVarMap.report` (what matched, how, and what did not).
+        ema_name: the ``name=`` of the TF graph's ``ExponentialMovingAverage``,
+            the last component of its averages' names.
 
     Returns:
         A :class:`SuggestedVarMap`: the ``var_map`` itself, with the report.
@@ -186,12 +208,18 @@ def suggest_var_map(
         raise TypeError(f"module must be a torch.nn.Module, got {type(module).__name__}")
     if not isinstance(verbose, bool):
         raise TypeError(f"verbose must be a bool, got {type(verbose).__name__}: {verbose!r}")
+    if not isinstance(ema_name, str):
+        raise TypeError(f"ema_name must be a str, got {type(ema_name).__name__}: {ema_name!r}")
+    if not ema_name or "/" in ema_name:
+        raise ValueError(f"ema_name must be a TF name without '/', got {ema_name!r}")
     reader = BundleReader(_resolve_prefix(path))
     tensors = {**dict(module.named_parameters()), **dict(module.named_buffers())}
-    shapes = {
-        tf_name: (reader.entries.get(tf_name) or reader.entries[tf_name + _ATTRIBUTE]).shape
-        for tf_name in _model_variables(reader)
-    }
+    model_variables, averages = _model_variables(reader, ema_name)
+
+    def shape_of(tf_name: str) -> tuple[int, ...]:
+        return tuple((reader.entries.get(tf_name) or reader.entries[tf_name + _ATTRIBUTE]).shape)
+
+    shapes = {tf_name: shape_of(tf_name) for tf_name in model_variables}
     matches: dict[str, Match] = {}
     used: set[str] = set()
     ambiguous: dict[str, list[str]] = {}
@@ -331,6 +359,7 @@ def suggest_var_map(
     suggestion.matches = ordered
     suggestion.unmatched_checkpoint = [(n, tuple(s)) for n, s in shapes.items() if n not in matches]
     suggestion.unmatched_module = [(n, tuple(t.shape)) for n, t in tensors.items() if n not in used]
+    suggestion.averages = [(n, shape_of(n)) for n in averages]
     if verbose:
         print(suggestion.report())
     return suggestion

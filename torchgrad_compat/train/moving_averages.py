@@ -157,6 +157,12 @@ class ExponentialMovingAverage:
     def name(self) -> str:
         return self._name
 
+    @property
+    def is_swapped(self) -> bool:
+        """Whether a :meth:`swapped` block is running: the variables hold their averages, and
+        their trained values come back when it ends (so a load into them now would be undone)."""
+        return self._swapped
+
     def __repr__(self) -> str:
         return (
             f"ExponentialMovingAverage(decay={self._decay!r}, num_updates={self._num_updates!r}, "
