@@ -7,19 +7,10 @@ import inspect
 
 import pytest
 import torch
+from optim_specs import SPECS
 
-RULES = (
-    "gradient_descent",
-    "momentum",
-    "adagrad",
-    "adagrad_da",
-    "adam",
-    "adadelta",
-    "rmsprop",
-    "ftrl",
-    "proximal_adagrad",
-    "proximal_gradient_descent",
-)
+# Every optimizer's functional form is its module's last name (torchgrad_compat.optim.adam.adam).
+RULES = tuple(spec.cls.__module__.rsplit(".", 1)[-1] for spec in SPECS)
 
 
 def _rule(name: str):
