@@ -67,6 +67,9 @@ def functional(
         scratch: list[list[Tensor]] | ScratchSource | None = None,
         **scalars: Any,
     ) -> None:
+        # *lists/**scalars accept anything: a call that does not give the reference loop's
+        # lists by position and its scalars by name is bound to its signature, which names
+        # what is missing or unknown (cheaper than binding every step).
         if len(lists) != len(list_names) or scalars.keys() != scalar_names:
             lists, scalars = _bind(name, signature, list_names, lists, scalars)
         if fused:
