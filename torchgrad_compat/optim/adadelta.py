@@ -8,7 +8,7 @@ from typing import Any, ClassVar
 import torch
 from torch import Tensor
 
-from ._dispatch import pick_impl
+from ._dispatch import functional
 from ._hyper import Hyper, HyperScalars
 from ._numerics import foreach_sqrt_, sqrt_
 from .optimizer import Optimizer
@@ -111,42 +111,11 @@ class AdadeltaOptimizer(Optimizer):
             epsilon=hyper.epsilon,
             foreach=foreach,
             fused=fused,
-            scratch=self._scratch(params, 2) if foreach else None,
+            scratch=self._scratch,
         )
 
     def _apply_sparse(self, group, p, indices, values, slots, non_slot, hyper):
         _sparse_adadelta(p, indices, values, slots["accum"], slots["accum_update"], hyper=hyper)
-
-
-def adadelta(
-    params: list[Tensor],
-    grads: list[Tensor],
-    accums: list[Tensor],
-    accum_updates: list[Tensor],
-    *,
-    lr: Tensor,
-    rho: Tensor,
-    one_minus_rho: Tensor,
-    epsilon: Tensor,
-    foreach: bool,
-    fused: bool = False,
-    scratch: list[list[Tensor]] | None = None,
-) -> None:
-    """Functional form of :class:`AdadeltaOptimizer`'s dense update (scalars already in the params' dtype).
-
-    ``scratch``: two lists of tensors shaped like ``params`` for the foreach
-    path's temporaries (allocated here when None).
-    """
-    impl = pick_impl(
-        _single_tensor_adadelta,
-        _multi_tensor_adadelta,
-        foreach=foreach,
-        fused=fused,
-        params=params,
-        scratch=scratch,
-        count=2,
-    )
-    impl(params, grads, accums, accum_updates, lr=lr, rho=rho, one_minus_rho=one_minus_rho, epsilon=epsilon)
 
 
 def _single_tensor_adadelta(
@@ -206,6 +175,14 @@ def _multi_tensor_adadelta(
     torch._foreach_mul_(delta, delta)
     torch._foreach_mul_(delta, one_minus_rho)
     torch._foreach_add_(accum_updates, delta)
+
+
+adadelta = functional(
+    _single_tensor_adadelta,
+    _multi_tensor_adadelta,
+    scratch=2,
+    doc="""Functional form of :class:`AdadeltaOptimizer`'s dense update (scalars in the params' dtype).""",
+)
 
 
 def _sparse_adadelta(

@@ -8,7 +8,7 @@ from typing import Any, ClassVar
 import torch
 from torch import Tensor
 
-from ._dispatch import pick_impl
+from ._dispatch import functional
 from ._hyper import Hyper
 from ._numerics import one_element_rows, sqrt
 from .optimizer import Optimizer
@@ -111,7 +111,7 @@ class AdagradOptimizer(Optimizer):
             lr=hyper.lr,
             foreach=foreach,
             fused=fused,
-            scratch=self._scratch(params, 2) if foreach else None,
+            scratch=self._scratch,
         )
 
     def _apply_sparse(self, group, p, indices, values, slots, non_slot, hyper):
@@ -129,40 +129,26 @@ def constant_slot(p: Tensor, value: float | Tensor | Callable[[], Any]) -> Tenso
     return torch.full_like(p, float(value), memory_format=torch.preserve_format)
 
 
-def adagrad(
+def _single_tensor_adagrad(
     params: list[Tensor],
     grads: list[Tensor],
     accums: list[Tensor],
     *,
     lr: Tensor,
-    foreach: bool,
-    fused: bool = False,
-    scratch: list[list[Tensor]] | None = None,
 ) -> None:
-    """Functional form of :class:`AdagradOptimizer`'s dense update (``lr`` already in the params' dtype).
-
-    ``scratch``: two lists of tensors shaped like ``params`` for the foreach
-    path's temporaries (allocated here when None).
-    """
-    impl = pick_impl(
-        _single_tensor_adagrad,
-        _multi_tensor_adagrad,
-        foreach=foreach,
-        fused=fused,
-        params=params,
-        scratch=scratch,
-        count=2,
-    )
-    impl(params, grads, accums, lr=lr)
-
-
-def _single_tensor_adagrad(params, grads, accums, *, lr):
     for p, g, a in zip(params, grads, accums, strict=True):
         a.add_(g * g)  # 1. a = a + g²
         p.sub_((g * lr).mul_(a.rsqrt()))  # 2. θ = θ - (gη)·rsqrt(a)
 
 
-def _multi_tensor_adagrad(params, grads, accums, *, lr, scratch):
+def _multi_tensor_adagrad(
+    params: list[Tensor],
+    grads: list[Tensor],
+    accums: list[Tensor],
+    *,
+    lr: Tensor,
+    scratch: list[list[Tensor]],
+) -> None:
     # Temporaries go into the two scratch lists (copy_ + in-place ops, no
     # allocation). torch.optim.Adagrad folds g² into a with addcmul_, a fused
     # multiply-add that rounds once where TF rounds g² first.
@@ -176,6 +162,14 @@ def _multi_tensor_adagrad(params, grads, accums, *, lr, scratch):
     torch._foreach_mul_(step, lr)
     torch._foreach_mul_(step, rsqrt)
     torch._foreach_sub_(params, step)
+
+
+adagrad = functional(
+    _single_tensor_adagrad,
+    _multi_tensor_adagrad,
+    scratch=2,
+    doc="""Functional form of :class:`AdagradOptimizer`'s dense update (``lr`` in the params' dtype).""",
+)
 
 
 def _sparse_adagrad(p, indices, values, accum, *, lr):

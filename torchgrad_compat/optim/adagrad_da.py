@@ -9,7 +9,7 @@ import torch
 from torch import Tensor
 
 from ._checks import check_global_step
-from ._dispatch import pick_impl
+from ._dispatch import functional
 from ._hyper import Hyper
 from ._numerics import foreach_sqrt_, one_element_rows, sqrt
 from .adagrad import constant_slot
@@ -190,7 +190,7 @@ class AdagradDAOptimizer(Optimizer):
             l2_t_lr=None if hyper.is_zero("l2") else hyper.l2 * (t * hyper.lr),
             foreach=foreach,
             fused=fused,
-            scratch=self._scratch(params, 1) if foreach else None,
+            scratch=self._scratch,
         )
 
     def _apply_sparse(self, group, p, indices, values, slots, non_slot, hyper):
@@ -236,7 +236,7 @@ def _check_step_count(global_step: Tensor) -> None:
         )
 
 
-def adagrad_da(
+def _single_tensor_adagrad_da(
     params: list[Tensor],
     grads: list[Tensor],
     grad_accums: list[Tensor],
@@ -245,31 +245,7 @@ def adagrad_da(
     neg_lr: Tensor,
     t_l1: Tensor | None,
     l2_t_lr: Tensor | None,
-    foreach: bool,
-    fused: bool = False,
-    scratch: list[list[Tensor]] | None = None,
 ) -> None:
-    """Functional form of :class:`AdagradDAOptimizer`'s dense update.
-
-    ``neg_lr`` = -η, ``t_l1`` = T·λ₁ and ``l2_t_lr`` = λ₂·(T·η), each rounded in
-    the params' dtype. ``t_l1=None`` selects TF's λ₁ = 0 form
-    θ = (a·(-η)) / (…); ``l2_t_lr=None`` leaves the λ₂ term out of the
-    denominator. ``scratch``: one list of tensors shaped like ``params`` for
-    the foreach path's temporary (allocated here when None).
-    """
-    impl = pick_impl(
-        _single_tensor_adagrad_da,
-        _multi_tensor_adagrad_da,
-        foreach=foreach,
-        fused=fused,
-        params=params,
-        scratch=scratch,
-        count=1,
-    )
-    impl(params, grads, grad_accums, squared_accums, neg_lr=neg_lr, t_l1=t_l1, l2_t_lr=l2_t_lr)
-
-
-def _single_tensor_adagrad_da(params, grads, grad_accums, squared_accums, *, neg_lr, t_l1, l2_t_lr):
     for p, g, a, s in zip(params, grads, grad_accums, squared_accums, strict=True):
         a.add_(g)  # 1. a = a + g
         s.add_(g * g)  # 2. s = s + g²
@@ -284,7 +260,17 @@ def _single_tensor_adagrad_da(params, grads, grad_accums, squared_accums, *, neg
         p.copy_(num.div_(den))  # 4. θ = … / (λ₂(Tη) + √s)
 
 
-def _multi_tensor_adagrad_da(params, grads, grad_accums, squared_accums, *, neg_lr, t_l1, l2_t_lr, scratch):
+def _multi_tensor_adagrad_da(
+    params: list[Tensor],
+    grads: list[Tensor],
+    grad_accums: list[Tensor],
+    squared_accums: list[Tensor],
+    *,
+    neg_lr: Tensor,
+    t_l1: Tensor | None,
+    l2_t_lr: Tensor | None,
+    scratch: list[list[Tensor]],
+) -> None:
     # θ's old value is never read, so the numerator is built in the parameters
     # themselves and the one temporary goes into the scratch list (copy_ +
     # in-place ops, no allocation).
@@ -309,6 +295,20 @@ def _multi_tensor_adagrad_da(params, grads, grad_accums, squared_accums, *, neg_
     if l2_t_lr is not None:
         torch._foreach_add_(tmp, l2_t_lr)
     torch._foreach_div_(params, tmp)
+
+
+adagrad_da = functional(
+    _single_tensor_adagrad_da,
+    _multi_tensor_adagrad_da,
+    scratch=1,
+    doc="""Functional form of :class:`AdagradDAOptimizer`'s dense update.
+
+    ``neg_lr`` = -η, ``t_l1`` = T·λ₁ and ``l2_t_lr`` = λ₂·(T·η), each rounded in
+    the params' dtype. ``t_l1=None`` selects TF's λ₁ = 0 form
+    θ = (a·(-η)) / (…); ``l2_t_lr=None`` leaves the λ₂ term out of the
+    denominator.
+    """,
+)
 
 
 def _sparse_adagrad_da(p, indices, values, grad_accum, squared_accum, *, t, t_lr, l1, l2):

@@ -8,7 +8,7 @@ from typing import Any, ClassVar
 import torch
 from torch import Tensor
 
-from ._dispatch import pick_impl
+from ._dispatch import functional
 from ._hyper import Hyper, HyperScalars, float32_tensor
 from ._numerics import foreach_sqrt_, sqrt
 from .optimizer import Optimizer
@@ -211,7 +211,7 @@ class AdamOptimizer(Optimizer):
             epsilon=hyper.epsilon,
             foreach=foreach,
             fused=fused,
-            scratch=self._scratch(params, 2) if foreach else None,
+            scratch=self._scratch,
         )
 
     def _apply_sparse(self, group, p, indices, values, slots, non_slot, hyper):
@@ -241,7 +241,7 @@ def _is_number(x: Any) -> bool:
     return isinstance(x, (int, float)) and not isinstance(x, bool)
 
 
-def adam(
+def _single_tensor_adam(
     params: list[Tensor],
     grads: list[Tensor],
     ms: list[Tensor],
@@ -251,44 +251,25 @@ def adam(
     one_minus_beta1: Tensor,
     one_minus_beta2: Tensor,
     epsilon: Tensor,
-    foreach: bool,
-    fused: bool = False,
-    scratch: list[list[Tensor]] | None = None,
 ) -> None:
-    """Functional form of :class:`AdamOptimizer`'s dense update (scalars in the params' dtype).
-
-    ``scratch``: two lists of tensors shaped like ``params`` for the foreach
-    path's temporaries (allocated here when None).
-    """
-    impl = pick_impl(
-        _single_tensor_adam,
-        _multi_tensor_adam,
-        foreach=foreach,
-        fused=fused,
-        params=params,
-        scratch=scratch,
-        count=2,
-    )
-    impl(
-        params,
-        grads,
-        ms,
-        vs,
-        alpha=alpha,
-        one_minus_beta1=one_minus_beta1,
-        one_minus_beta2=one_minus_beta2,
-        epsilon=epsilon,
-    )
-
-
-def _single_tensor_adam(params, grads, ms, vs, *, alpha, one_minus_beta1, one_minus_beta2, epsilon):
     for p, g, m, v in zip(params, grads, ms, vs, strict=True):
         m.add_((g - m).mul_(one_minus_beta1))  # 1. m = m + (g - m)(1-β₁)
         v.add_((g * g).sub_(v).mul_(one_minus_beta2))  # 2. v = v + (g² - v)(1-β₂)
         p.sub_((m * alpha).div_(sqrt(v).add_(epsilon)))  # 3. θ = θ - mα / (√v + ε̂)
 
 
-def _multi_tensor_adam(params, grads, ms, vs, *, alpha, one_minus_beta1, one_minus_beta2, epsilon, scratch):
+def _multi_tensor_adam(
+    params: list[Tensor],
+    grads: list[Tensor],
+    ms: list[Tensor],
+    vs: list[Tensor],
+    *,
+    alpha: Tensor,
+    one_minus_beta1: Tensor,
+    one_minus_beta2: Tensor,
+    epsilon: Tensor,
+    scratch: list[list[Tensor]],
+) -> None:
     # Temporaries go into the two scratch lists (copy_ + in-place ops, no
     # allocation). addcdiv_ with value=-1 rounds as θ - q: the product by -1 is exact.
     tmp, denom = scratch
@@ -307,6 +288,14 @@ def _multi_tensor_adam(params, grads, ms, vs, *, alpha, one_minus_beta1, one_min
     torch._foreach_copy_(tmp, ms)
     torch._foreach_mul_(tmp, alpha)
     torch._foreach_addcdiv_(params, tmp, denom, value=-1)
+
+
+adam = functional(
+    _single_tensor_adam,
+    _multi_tensor_adam,
+    scratch=2,
+    doc="""Functional form of :class:`AdamOptimizer`'s dense update (scalars in the params' dtype).""",
+)
 
 
 def _sparse_adam(p, indices, values, m, v, *, alpha, hyper):

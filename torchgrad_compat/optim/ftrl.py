@@ -9,7 +9,7 @@ from typing import Any, ClassVar
 import torch
 from torch import Tensor
 
-from ._dispatch import pick_impl
+from ._dispatch import functional
 from ._hyper import Hyper, HyperScalars, float32_tensor
 from ._numerics import foreach_sqrt_, one_element_rows, sqrt
 from .optimizer import Optimizer
@@ -175,7 +175,7 @@ class FtrlOptimizer(Optimizer):
             **_scalars(hyper),
             foreach=foreach,
             fused=fused,
-            scratch=self._scratch(params, 3) if foreach else None,
+            scratch=self._scratch,
         )
 
     def _apply_sparse(self, group, p, indices, values, slots, non_slot, hyper):
@@ -251,54 +251,6 @@ def _foreach_power_(xs: list[Tensor], neg_lr_power: Tensor | None) -> None:
     wide = [x.double() for x in xs]
     torch._foreach_pow_(wide, [neg_lr_power.double()] * len(wide))
     torch._foreach_copy_(xs, wide)
-
-
-def ftrl(
-    params: list[Tensor],
-    grads: list[Tensor],
-    accums: list[Tensor],
-    linears: list[Tensor],
-    *,
-    lr: Tensor,
-    l1: Tensor | None,
-    two_l2: Tensor | None,
-    two_l2_shrinkage: Tensor | None,
-    neg_lr_power: Tensor | None,
-    foreach: bool,
-    fused: bool = False,
-    scratch: list[list[Tensor]] | None = None,
-) -> None:
-    """Functional form of :class:`FtrlOptimizer`'s dense update.
-
-    ``two_l2`` is twice the effective L2 strength; ``two_l2_shrinkage`` is None
-    for TF's ``ApplyFtrl`` (no shrinkage); ``neg_lr_power`` is None for
-    ``learning_rate_power == -0.5`` (square roots). ``l1=None`` stands for
-    λ₁ = 0 and ``two_l2=None`` for 2λ₂ = 0: the results are those of zero
-    tensors, without their no-op arithmetic (``y + 0`` is ``y``, as ``y ≥ +0``;
-    ``x`` is ``-l`` wherever the dead zone keeps ``x/y``). ``scratch``: three
-    lists of tensors shaped like ``params`` for the foreach path's temporaries
-    (allocated here when None).
-    """
-    impl = pick_impl(
-        _single_tensor_ftrl,
-        _multi_tensor_ftrl,
-        foreach=foreach,
-        fused=fused,
-        params=params,
-        scratch=scratch,
-        count=3,
-    )
-    impl(
-        params,
-        grads,
-        accums,
-        linears,
-        lr=lr,
-        l1=l1,
-        two_l2=two_l2,
-        two_l2_shrinkage=two_l2_shrinkage,
-        neg_lr_power=neg_lr_power,
-    )
 
 
 def _single_tensor_ftrl(
@@ -389,6 +341,22 @@ def _multi_tensor_ftrl(
     for p, lin, nan in zip(params, linears, has_nan, strict=True):
         if nan:
             p.copy_(torch.where(lin.abs() > (0.0 if l1 is None else l1), p, 0.0))
+
+
+ftrl = functional(
+    _single_tensor_ftrl,
+    _multi_tensor_ftrl,
+    scratch=3,
+    doc="""Functional form of :class:`FtrlOptimizer`'s dense update.
+
+    ``two_l2`` is twice the effective L2 strength; ``two_l2_shrinkage`` is None
+    for TF's ``ApplyFtrl`` (no shrinkage); ``neg_lr_power`` is None for
+    ``learning_rate_power == -0.5`` (square roots). ``l1=None`` stands for
+    λ₁ = 0 and ``two_l2=None`` for 2λ₂ = 0: the results are those of zero
+    tensors, without their no-op arithmetic (``y + 0`` is ``y``, as ``y ≥ +0``;
+    ``x`` is ``-l`` wherever the dead zone keeps ``x/y``).
+    """,
+)
 
 
 def _sparse_ftrl(

@@ -8,7 +8,7 @@ from typing import Any, ClassVar
 import torch
 from torch import Tensor
 
-from ._dispatch import pick_impl
+from ._dispatch import functional
 from ._hyper import Hyper
 from .optimizer import Optimizer
 
@@ -75,46 +75,29 @@ class GradientDescentOptimizer(Optimizer):
             lr=hyper.lr,
             foreach=foreach,
             fused=fused,
-            scratch=self._scratch(params, 1) if foreach else None,
+            scratch=self._scratch,
         )
 
     def _apply_sparse(self, group, p, indices, values, slots, non_slot, hyper):
         _sparse_gradient_descent(p, indices, values, lr=hyper.lr)
 
 
-def gradient_descent(
+def _single_tensor_gradient_descent(
     params: list[Tensor],
     grads: list[Tensor],
     *,
     lr: Tensor,
-    foreach: bool,
-    fused: bool = False,
-    scratch: list[list[Tensor]] | None = None,
 ) -> None:
-    """Functional form of :class:`GradientDescentOptimizer`'s dense update.
-
-    ``scratch``: one list of tensors shaped like ``params`` for the foreach
-    path's temporary (allocated here when None).
-    """
-    impl = pick_impl(
-        _single_tensor_gradient_descent,
-        _multi_tensor_gradient_descent,
-        foreach=foreach,
-        fused=fused,
-        params=params,
-        scratch=scratch,
-        count=1,
-    )
-    impl(params, grads, lr=lr)
-
-
-def _single_tensor_gradient_descent(params: list[Tensor], grads: list[Tensor], *, lr: Tensor) -> None:
     for p, g in zip(params, grads, strict=True):
         p.sub_(g * lr)  # θ = θ - g·η
 
 
 def _multi_tensor_gradient_descent(
-    params: list[Tensor], grads: list[Tensor], *, lr: Tensor, scratch: list[list[Tensor]]
+    params: list[Tensor],
+    grads: list[Tensor],
+    *,
+    lr: Tensor,
+    scratch: list[list[Tensor]],
 ) -> None:
     # Three passes where torch.optim.SGD needs one: its add_(g, alpha=-lr) is a
     # fused multiply-add, which does not round g·η before the subtraction as TF
@@ -123,6 +106,14 @@ def _multi_tensor_gradient_descent(
     torch._foreach_copy_(step, grads)
     torch._foreach_mul_(step, lr)
     torch._foreach_sub_(params, step)
+
+
+gradient_descent = functional(
+    _single_tensor_gradient_descent,
+    _multi_tensor_gradient_descent,
+    scratch=1,
+    doc="""Functional form of :class:`GradientDescentOptimizer`'s dense update.""",
+)
 
 
 def _sparse_gradient_descent(p: Tensor, indices: Tensor, values: Tensor, *, lr: Tensor) -> None:

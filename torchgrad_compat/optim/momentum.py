@@ -8,7 +8,7 @@ from typing import Any, ClassVar
 import torch
 from torch import Tensor
 
-from ._dispatch import pick_impl
+from ._dispatch import functional
 from ._hyper import Flag, Hyper
 from .optimizer import Optimizer
 
@@ -108,7 +108,7 @@ class MomentumOptimizer(Optimizer):
             use_nesterov=use_nesterov,
             foreach=foreach,
             fused=fused,
-            scratch=self._scratch(params, 2 if use_nesterov else 1) if foreach else None,
+            scratch=self._scratch,
         )
 
     def _apply_sparse(self, group, p, indices, values, slots, non_slot, hyper):
@@ -123,7 +123,7 @@ class MomentumOptimizer(Optimizer):
         )
 
 
-def momentum(
+def _single_tensor_momentum(
     params: list[Tensor],
     grads: list[Tensor],
     accums: list[Tensor],
@@ -131,28 +131,7 @@ def momentum(
     lr: Tensor,
     momentum: Tensor,
     use_nesterov: bool,
-    foreach: bool,
-    fused: bool = False,
-    scratch: list[list[Tensor]] | None = None,
 ) -> None:
-    """Functional form of :class:`MomentumOptimizer`'s dense update (scalars already in the params' dtype).
-
-    ``scratch``: lists of tensors shaped like ``params`` for the foreach path's
-    temporaries, one (two with ``use_nesterov``); allocated here when None.
-    """
-    impl = pick_impl(
-        _single_tensor_momentum,
-        _multi_tensor_momentum,
-        foreach=foreach,
-        fused=fused,
-        params=params,
-        scratch=scratch,
-        count=2 if use_nesterov else 1,
-    )
-    impl(params, grads, accums, lr=lr, momentum=momentum, use_nesterov=use_nesterov)
-
-
-def _single_tensor_momentum(params, grads, accums, *, lr, momentum, use_nesterov):
     for p, g, a in zip(params, grads, accums, strict=True):
         a.mul_(momentum).add_(g)  # 1. a = aμ + g
         if use_nesterov:
@@ -161,7 +140,16 @@ def _single_tensor_momentum(params, grads, accums, *, lr, momentum, use_nesterov
             p.sub_(a * lr)  # 2. θ = θ - aη
 
 
-def _multi_tensor_momentum(params, grads, accums, *, lr, momentum, use_nesterov, scratch):
+def _multi_tensor_momentum(
+    params: list[Tensor],
+    grads: list[Tensor],
+    accums: list[Tensor],
+    *,
+    lr: Tensor,
+    momentum: Tensor,
+    use_nesterov: bool,
+    scratch: list[list[Tensor]],
+) -> None:
     # Temporaries go into the scratch lists (copy_ + in-place ops, no allocation).
     # Five passes (nine with Nesterov) where torch.optim.SGD needs three (four):
     # its add_(buf, alpha=-lr) fuses the product into the subtraction, one
@@ -181,6 +169,17 @@ def _multi_tensor_momentum(params, grads, accums, *, lr, momentum, use_nesterov,
         torch._foreach_copy_(step, accums)
         torch._foreach_mul_(step, lr)
     torch._foreach_sub_(params, step)
+
+
+momentum = functional(
+    _single_tensor_momentum,
+    _multi_tensor_momentum,
+    scratch=lambda *, use_nesterov, **_: 2 if use_nesterov else 1,
+    doc="""Functional form of :class:`MomentumOptimizer`'s dense update (scalars in the params' dtype).
+
+    The foreach path takes one list of temporaries, two with ``use_nesterov``.
+    """,
+)
 
 
 def _sparse_momentum(p, indices, values, accum, *, lr, momentum, use_nesterov):

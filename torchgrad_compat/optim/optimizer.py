@@ -730,7 +730,7 @@ class Optimizer(torch.optim.Optimizer):
             non_slot = self.non_slot_state(group)
             for (device, dtype), (bucket_params, bucket_grads) in dense.get(gi, {}).items():
                 hyper = HyperScalars(values, _compute_dtype(dtype), device)
-                # The fused kernel makes one pass over the whole bucket (see pick_impl), but
+                # The fused kernel makes one pass over the whole bucket (see run_fused), but
                 # half-precision parameters go through float32 working copies, made a chunk
                 # at a time so that they never hold the whole bucket.
                 whole = group.get("fused") and dtype not in _HALF_DTYPES

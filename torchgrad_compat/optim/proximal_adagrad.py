@@ -8,7 +8,7 @@ from typing import Any, ClassVar
 import torch
 from torch import Tensor
 
-from ._dispatch import pick_impl
+from ._dispatch import functional
 from ._hyper import Hyper, HyperScalars
 from ._numerics import one_element_rows, sqrt
 from .adagrad import constant_slot
@@ -136,7 +136,7 @@ class ProximalAdagradOptimizer(Optimizer):
             **scalars,
             foreach=foreach,
             fused=fused,
-            scratch=self._scratch(params, 2 if scalars["l1"] is None else 3) if foreach else None,
+            scratch=self._scratch,
         )
 
     def _apply_sparse(self, group, p, indices, values, slots, non_slot, hyper):
@@ -152,7 +152,7 @@ def _scalars(hyper: HyperScalars) -> dict[str, Tensor | None]:
     }
 
 
-def proximal_adagrad(
+def _single_tensor_proximal_adagrad(
     params: list[Tensor],
     grads: list[Tensor],
     accums: list[Tensor],
@@ -160,30 +160,7 @@ def proximal_adagrad(
     lr: Tensor,
     l1: Tensor | None,
     l2: Tensor | None,
-    foreach: bool,
-    fused: bool = False,
-    scratch: list[list[Tensor]] | None = None,
 ) -> None:
-    """Functional form of :class:`ProximalAdagradOptimizer`'s dense update (scalars in the params' dtype).
-
-    ``l1=None`` selects TF's λ₁ = 0 form θ'/(1 + λ₂η_t); ``l2=None`` skips that
-    division. ``scratch``: lists of tensors shaped like ``params`` for the
-    foreach path's temporaries, two (three when ``l1`` is given); allocated
-    here when None.
-    """
-    impl = pick_impl(
-        _single_tensor_proximal_adagrad,
-        _multi_tensor_proximal_adagrad,
-        foreach=foreach,
-        fused=fused,
-        params=params,
-        scratch=scratch,
-        count=2 if l1 is None else 3,
-    )
-    impl(params, grads, accums, lr=lr, l1=l1, l2=l2)
-
-
-def _single_tensor_proximal_adagrad(params, grads, accums, *, lr, l1, l2):
     for p, g, a in zip(params, grads, accums, strict=True):
         a.add_(g * g)  # 1. a = a + g²
         lr_t = a.rsqrt().mul_(lr)  # 2. η_t = η·rsqrt(a)
@@ -195,7 +172,16 @@ def _single_tensor_proximal_adagrad(params, grads, accums, *, lr, l1, l2):
             p.div_(lr_t.mul_(l2).add_(1))  # 5. θ = θ' / (1 + λ₂η_t)
 
 
-def _multi_tensor_proximal_adagrad(params, grads, accums, *, lr, l1, l2, scratch):
+def _multi_tensor_proximal_adagrad(
+    params: list[Tensor],
+    grads: list[Tensor],
+    accums: list[Tensor],
+    *,
+    lr: Tensor,
+    l1: Tensor | None,
+    l2: Tensor | None,
+    scratch: list[list[Tensor]],
+) -> None:
     # Temporaries go into the scratch lists (copy_ + in-place ops, no
     # allocation); g² is taken of the scratch copy (tmp * tmp), which reads one
     # list instead of two.
@@ -225,6 +211,19 @@ def _multi_tensor_proximal_adagrad(params, grads, accums, *, lr, l1, l2, scratch
         # every tensor (~4x the per-tensor overhead); a list of a 0-d 1 broadcasts.
         torch._foreach_add_(lr_t, [torch.ones_like(l2)] * len(lr_t))
         torch._foreach_div_(params, lr_t)
+
+
+proximal_adagrad = functional(
+    _single_tensor_proximal_adagrad,
+    _multi_tensor_proximal_adagrad,
+    scratch=lambda *, l1, **_: 2 if l1 is None else 3,
+    doc="""Functional form of :class:`ProximalAdagradOptimizer`'s dense update (scalars in the params' dtype).
+
+    ``l1=None`` selects TF's λ₁ = 0 form θ'/(1 + λ₂η_t); ``l2=None`` skips that
+    division. The foreach path takes two lists of temporaries, three when
+    ``l1`` is given.
+    """,
+)
 
 
 def _sparse_proximal_adagrad(p, indices, values, accum, *, lr, l1, l2):

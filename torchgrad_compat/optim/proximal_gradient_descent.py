@@ -8,7 +8,7 @@ from typing import Any, ClassVar
 import torch
 from torch import Tensor
 
-from ._dispatch import pick_impl
+from ._dispatch import functional
 from ._hyper import Hyper, HyperScalars
 from ._numerics import one_element_rows
 from .optimizer import Optimizer
@@ -110,7 +110,7 @@ class ProximalGradientDescentOptimizer(Optimizer):
             **_scalars(hyper),
             foreach=foreach,
             fused=fused,
-            scratch=self._scratch(params, 1) if foreach else None,
+            scratch=self._scratch,
         )
 
     def _apply_sparse(self, group, p, indices, values, slots, non_slot, hyper):
@@ -134,37 +134,14 @@ def _scalars(hyper: HyperScalars) -> dict[str, Tensor | None]:
     }
 
 
-def proximal_gradient_descent(
+def _single_tensor_proximal_gradient_descent(
     params: list[Tensor],
     grads: list[Tensor],
     *,
     lr: Tensor,
     lr_l1: Tensor | None,
     denom: Tensor | None,
-    foreach: bool,
-    fused: bool = False,
-    scratch: list[list[Tensor]] | None = None,
 ) -> None:
-    """Functional form of :class:`ProximalGradientDescentOptimizer`'s dense update.
-
-    ``lr_l1`` = η·λ₁ and ``denom`` = 1 + λ₂·η, each rounded in the params'
-    dtype. ``lr_l1=None`` selects TF's λ₁ = 0 form θ'/(1 + λ₂η); ``denom=None``
-    leaves out the division (λ₂ = 0). ``scratch``: one list of tensors shaped
-    like ``params`` for the foreach path's temporary (allocated here when None).
-    """
-    impl = pick_impl(
-        _single_tensor_proximal_gradient_descent,
-        _multi_tensor_proximal_gradient_descent,
-        foreach=foreach,
-        fused=fused,
-        params=params,
-        scratch=scratch,
-        count=1,
-    )
-    impl(params, grads, lr=lr, lr_l1=lr_l1, denom=denom)
-
-
-def _single_tensor_proximal_gradient_descent(params, grads, *, lr, lr_l1, denom):
     for p, g in zip(params, grads, strict=True):
         p.sub_(g * lr)  # 1. θ' = θ - gη
         if lr_l1 is not None:
@@ -174,7 +151,15 @@ def _single_tensor_proximal_gradient_descent(params, grads, *, lr, lr_l1, denom)
             p.div_(denom)  #    … / (1 + λ₂η)
 
 
-def _multi_tensor_proximal_gradient_descent(params, grads, *, lr, lr_l1, denom, scratch):
+def _multi_tensor_proximal_gradient_descent(
+    params: list[Tensor],
+    grads: list[Tensor],
+    *,
+    lr: Tensor,
+    lr_l1: Tensor | None,
+    denom: Tensor | None,
+    scratch: list[list[Tensor]],
+) -> None:
     # The one temporary goes into the scratch list (copy_ + in-place ops, no
     # allocation); θ' and the shrunk value are built in the parameters themselves.
     (tmp,) = scratch
@@ -190,6 +175,19 @@ def _multi_tensor_proximal_gradient_descent(params, grads, *, lr, lr_l1, denom, 
         torch._foreach_mul_(params, tmp)
     if denom is not None:
         torch._foreach_div_(params, denom)
+
+
+proximal_gradient_descent = functional(
+    _single_tensor_proximal_gradient_descent,
+    _multi_tensor_proximal_gradient_descent,
+    scratch=1,
+    doc="""Functional form of :class:`ProximalGradientDescentOptimizer`'s dense update.
+
+    ``lr_l1`` = η·λ₁ and ``denom`` = 1 + λ₂·η, each rounded in the params'
+    dtype. ``lr_l1=None`` selects TF's λ₁ = 0 form θ'/(1 + λ₂η); ``denom=None``
+    leaves out the division (λ₂ = 0).
+    """,
+)
 
 
 def _sparse_proximal_gradient_descent(p, indices, values, *, lr, lr_l1, denom, l2_lr):

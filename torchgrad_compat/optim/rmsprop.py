@@ -8,7 +8,7 @@ from typing import Any, ClassVar
 import torch
 from torch import Tensor
 
-from ._dispatch import pick_impl
+from ._dispatch import functional
 from ._hyper import Flag, Hyper, HyperScalars
 from ._numerics import foreach_sqrt_, sqrt_
 from .optimizer import Optimizer
@@ -149,7 +149,7 @@ class RMSPropOptimizer(Optimizer):
             centered=centered,
             foreach=foreach,
             fused=fused,
-            scratch=self._scratch(params, 2) if foreach else None,
+            scratch=self._scratch,
         )
 
     def _apply_sparse(self, group, p, indices, values, slots, non_slot, hyper):
@@ -162,50 +162,6 @@ class RMSPropOptimizer(Optimizer):
             slots["mg"] if group["centered"] else None,
             hyper=hyper,
         )
-
-
-def rmsprop(
-    params: list[Tensor],
-    grads: list[Tensor],
-    mss: list[Tensor],
-    moms: list[Tensor],
-    mgs: list[Tensor],
-    *,
-    lr: Tensor,
-    one_minus_decay: Tensor,
-    momentum: Tensor,
-    epsilon: Tensor,
-    centered: bool,
-    foreach: bool,
-    fused: bool = False,
-    scratch: list[list[Tensor]] | None = None,
-) -> None:
-    """Functional form of :class:`RMSPropOptimizer`'s dense update (``mgs`` is empty unless centered).
-
-    ``scratch``: two lists of tensors shaped like ``params`` for the foreach
-    path's temporaries (allocated here when None).
-    """
-    impl = pick_impl(
-        _single_tensor_rmsprop,
-        _multi_tensor_rmsprop,
-        foreach=foreach,
-        fused=fused,
-        params=params,
-        scratch=scratch,
-        count=2,
-    )
-    impl(
-        params,
-        grads,
-        mss,
-        moms,
-        mgs,
-        lr=lr,
-        one_minus_decay=one_minus_decay,
-        momentum=momentum,
-        epsilon=epsilon,
-        centered=centered,
-    )
 
 
 def _single_tensor_rmsprop(
@@ -277,6 +233,14 @@ def _multi_tensor_rmsprop(
     torch._foreach_mul_(moms, momentum)
     torch._foreach_addcdiv_(moms, tmp, denom, value=1)
     torch._foreach_sub_(params, moms)
+
+
+rmsprop = functional(
+    _single_tensor_rmsprop,
+    _multi_tensor_rmsprop,
+    scratch=2,
+    doc="""Functional form of :class:`RMSPropOptimizer`'s dense update (``mgs`` is empty unless centered).""",
+)
 
 
 def _sparse_rmsprop(
