@@ -1,4 +1,4 @@
-"""train.ExponentialMovingAverage against TensorFlow's: fixture bits, names, foreach, state_dict, swaps."""
+"""train.ExponentialMovingAverage against TensorFlow's: fixture bits, names, paths, state_dict, swaps."""
 
 from __future__ import annotations
 
@@ -28,6 +28,10 @@ DTYPES = {
 }
 
 
+# The update paths, as ExponentialMovingAverage's arguments: all give the loop's bits.
+PATHS = {"foreach": {"foreach": True}, "loop": {"foreach": False}, "fused": {"fused": True}}
+
+
 def _tensor(values: list[float], shape: list[int], dtype: torch.dtype) -> torch.Tensor:
     return torch.tensor(values, dtype=torch.float64).to(dtype).reshape(shape)
 
@@ -39,7 +43,7 @@ def _bits_equal(ours: torch.Tensor, theirs: torch.Tensor) -> bool:
 class _Run:
     """One fixture case replayed with our optimizer and our EMA, step by step."""
 
-    def __init__(self, case: dict[str, Any], foreach: bool):
+    def __init__(self, case: dict[str, Any], path: str):
         self.case = case
         self.dtype = DTYPES[case["dtype"]]
         self.variables = {
@@ -55,7 +59,7 @@ class _Run:
         kwargs = dict(case["kwargs"])
         if kwargs.pop("num_updates", False):
             kwargs["num_updates"] = self.global_step
-        self.ema = ExponentialMovingAverage(**kwargs, foreach=foreach)
+        self.ema = ExponentialMovingAverage(**kwargs, **PATHS[path])
         # Before training, as TF's initializer: the shadows start at the initial values.
         self.ema.apply(self.variables)
 
@@ -95,12 +99,12 @@ def _mismatches(run: _Run, k: int, record: dict[str, Any]) -> list[str]:
     return bad
 
 
-@pytest.mark.parametrize("foreach", [True, False], ids=["foreach", "loop"])
+@pytest.mark.parametrize("path", list(PATHS))
 @pytest.mark.parametrize("case_id", list(CASES))
-def test_tensorflow_fixture_bit_for_bit(case_id, foreach):
+def test_tensorflow_fixture_bit_for_bit(case_id, path):
     """50 steps of TF 1's optimizer + EMA graph: variables, shadows, biased and local_step, every bit."""
     case = CASES[case_id]
-    run = _Run(case, foreach)
+    run = _Run(case, path)
     bad = []
     for k, record in enumerate(case["steps"]):
         run.step(record)
@@ -111,7 +115,7 @@ def test_tensorflow_fixture_bit_for_bit(case_id, foreach):
 @pytest.mark.parametrize("case_id", list(CASES))
 def test_names_are_tensorflows(case_id):
     case = CASES[case_id]
-    run = _Run(case, foreach=True)
+    run = _Run(case, "foreach")
     run.step(case["steps"][0])
     for n, tf_name in case["average_names"].items():
         assert run.ema.average_name(n) == tf_name
@@ -132,7 +136,7 @@ def test_tfs_zero_debias_leaves_variables_alone(dtype):
     only tensors (here too)."""
     case = CASES[f"zero_debias_{dtype}"]
     assert case["kwargs"]["zero_debias"] is True
-    plain = _Run({**case, "kwargs": {**case["kwargs"], "zero_debias": False}, "tensor": False}, foreach=True)
+    plain = _Run({**case, "kwargs": {**case["kwargs"], "zero_debias": False}, "tensor": False}, "foreach")
     for k, record in enumerate(case["steps"]):
         plain.step(record)
         for n in plain.variables:
@@ -162,12 +166,14 @@ def _mixed(seed: int) -> dict[str, torch.Tensor]:
     return out
 
 
+@pytest.mark.parametrize("path", ["foreach", "fused"])
 @pytest.mark.parametrize("num_updates", [None, 3])
-def test_foreach_is_the_loop_bit_for_bit(num_updates):
+def test_other_paths_are_the_loop_bit_for_bit(num_updates, path):
+    """float32/float64 (compiled when fused), float16/bfloat16, strided, empty, tiny, split."""
     shadows = {}
-    for foreach in (False, True):
+    for other in (False, True):
         values = _mixed(0)
-        ema = ExponentialMovingAverage(0.97, num_updates=num_updates, foreach=foreach)
+        ema = ExponentialMovingAverage(0.97, num_updates=num_updates, **PATHS[path if other else "loop"])
         ema.apply(values)
         for k in range(1, 6):
             moved = _mixed(k)
@@ -175,11 +181,35 @@ def test_foreach_is_the_loop_bit_for_bit(num_updates):
                 for n, v in values.items():
                     v.copy_(moved[n])
             ema.apply(values.values())
-        shadows[foreach] = {n: ema.average(n).clone() for n in values}
+        shadows[other] = {n: ema.average(n).clone() for n in values}
     for n, s in shadows[False].items():
         assert _bits_equal(shadows[True][n], s), n
     # The shadows moved (a path that did nothing would pass the comparison too).
     assert not torch.equal(shadows[True]["t1"], _mixed(0)["t1"])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_fused_updates_in_compiled_kernels(dtype):
+    """fused=True runs no eager op on contiguous float32/float64 shadows of two or more elements
+    (the foreach path runs three per batch), bitwise the loop, one kernel for every decay."""
+    g = torch.Generator().manual_seed(0)
+    values = {f"p{i}": torch.randn(100 + i, generator=g, dtype=dtype) for i in range(20)}
+    emas = {d: ExponentialMovingAverage(d, fused=True) for d in (0.9, 0.5)}
+    loops = {d: ExponentialMovingAverage(d, foreach=False) for d in (0.9, 0.5)}
+    for ema in (*emas.values(), *loops.values()):
+        ema.apply(values)  # (fused: compiles the kernel, once per process and dtype)
+    with torch.no_grad():
+        for v in values.values():
+            v.copy_(torch.randn(v.shape, generator=g, dtype=dtype))
+    for decay, ema in emas.items():
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+            ema.apply(values.values())
+        ops = {e.name for e in prof.events() if e.name.startswith("aten::")}
+        assert not ops & {"aten::sub", "aten::sub_", "aten::mul_", "aten::_foreach_sub"}, ops
+        loops[decay].apply(values.values())
+        for n, v in values.items():
+            assert _bits_equal(ema.average(n), loops[decay].average(n)), (decay, n)
+            assert not torch.equal(ema.average(n), v)  # (the shadows moved)
 
 
 def test_shadows_take_the_variables_dtype_and_round_in_it():
@@ -399,6 +429,8 @@ def test_swapping_what_is_not_averaged_is_refused_and_changes_nothing():
         ({"decay": 0.9, "num_updates": torch.tensor(1.0)}, TypeError, "num_updates must be"),
         ({"decay": 0.9, "zero_debias": 1}, TypeError, "zero_debias must be"),
         ({"decay": 0.9, "name": ""}, TypeError, "name must be"),
+        ({"decay": 0.9, "fused": 1}, TypeError, "fused must be a bool, got int"),
+        ({"decay": 0.9, "fused": True, "foreach": True}, RuntimeError, "fused=True and foreach=True"),
     ],
     ids=lambda x: repr(x)[:40],
 )

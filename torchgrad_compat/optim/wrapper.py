@@ -17,7 +17,7 @@ from torch import Tensor
 from .._torch_internals import called_from_dcp_init, no_step_pre_hooks
 from ._census import SameMeta, kept_census
 from ._checks import DEVICE_OF, DTYPE_OF, GRAD_OF, check_global_step, check_grad, describe, grads_fit
-from ._fused.run import Unscaling
+from ._fused.run import Unscaling, run_fused
 from ._group_keys import LOSS_SCALE_KEY_PREFIX
 from ._hyper import check_range, number_tensor, python_float
 from ._memory import bytes_spanned, check_no_shared_elements, is_expanded
@@ -41,6 +41,7 @@ __all__ = [
     "check_range",
     "compute_gradients",
     "describe",
+    "fused_update",
     "grads_fit",
     "hooked_update",
     "is_expanded",
@@ -52,6 +53,48 @@ __all__ = [
     "sqrt",
     "summed_rows",
 ]
+
+
+def fused_update(
+    single: Callable[..., None],
+    targets: list[Tensor],
+    sources: list[Tensor],
+    *more: list[Tensor],
+    **scalars: Any,
+) -> None:
+    """Run the elementwise reference loop ``single(targets, sources, *more, **scalars)`` as the
+    optimizers' ``fused=True`` kernels: compiled by Inductor (C++ on CPU, Triton on CUDA), one
+    pass over each row's elements, the loop's arithmetic op for op (bitwise on CPU in float32
+    and float64; float16/bfloat16 ops are computed in float32 there, so callers that round in
+    those dtypes keep their own path for them).
+
+    The lists are rows: entry ``i`` of every list is one tensor of the same number of
+    elements, and every list has one dtype and the device of ``targets``.
+
+    - ``targets`` (what an optimizer's parameters are): written in place. The kernels take them
+      flat, so each row must be contiguous (or channels-last) as its ``sources`` row is; rows
+      that are not, or of fewer than two elements, go through ``single`` itself. Their
+      autograd versions are bumped. How the rows split into calls is kept under ``targets[0]``
+      (or ``more[0][0]``) and used again while every row keeps its size and layout.
+    - ``sources`` (the gradients): read only, never kept; they may move between calls.
+    - ``more`` (the slots): written in place, as ``targets``.
+    - ``scalars``: keyword arguments, each a Python value (one kernel per distinct value) or a
+      tensor of one element read at every call (one kernel for all values).
+
+    ``single`` must be a function kept for the life of the process (kernels are kept per
+    function, dtypes, device and scalar kinds) that updates each row elementwise, reading
+    each target, source and slot element once, with no row depending on another. The first
+    call for a kernel compiles it (seconds on CPU; Inductor's disk cache keeps it for later
+    processes). With grad mode on, or inside a caller's ``torch.compile``, ``single`` runs as
+    it is.
+
+    Raises:
+        ValueError: a row does not fit its target (size, dtype, device, shape), or a tensor
+            scalar has more than one element.
+        RuntimeError: a target or slot is an inference tensor, outside inference mode.
+    """
+    run_fused(single, None, targets, sources, *more, **scalars)
+
 
 _TORCH_HOOK_DICTS = (
     "_optimizer_step_pre_hooks",
