@@ -6,7 +6,7 @@ import contextlib
 import itertools
 import operator
 from collections.abc import Callable, Iterable, Iterator, Sequence
-from typing import Any, ClassVar
+from typing import Any, ClassVar, overload
 
 import torch
 import torch.distributed as dist
@@ -187,6 +187,10 @@ class LossScaleOptimizer(OptimizerWrapper):
         return f"LossScaleOptimizer({self._optimizer!r}, loss_scale={self._loss_scale!r})"
 
     # ------------------------------------------------------------------ scaling
+    @overload
+    def get_scaled_loss(self, loss: Tensor) -> Tensor: ...
+    @overload
+    def get_scaled_loss(self, loss: Callable[[], Tensor]) -> Callable[[], Tensor]: ...
     def get_scaled_loss(self, loss: Tensor | Callable[[], Tensor]) -> Tensor | Callable[[], Tensor]:
         """``loss`` times the current scale (cast to the loss's dtype, as TF).
 
