@@ -160,7 +160,7 @@ def test_inductor_entry_points_exist():
         assert not torch.fx.experimental._config.use_duck_shape, _named(
             "torch.fx.experimental._config.use_duck_shape", "fused kernels compile with"
         )
-        assert getattr(torch._dynamo.config, internals.recompile_limit_name()) == 8, _named(
+        assert torch._dynamo.config.recompile_limit == 8, _named(
             "torch._dynamo.config.recompile_limit", "fused kernels compile with"
         )
     assert "combo_kernels" in internals.inductor_options(), _named(

@@ -58,13 +58,10 @@ def current_graph_task_id() -> int | None:
     return None if current is None else current()
 
 
-if torch.torch_version.TorchVersion(torch.__version__) >= (2, 5):
-    bump_versions = torch.autograd.graph.increment_version
-else:  # torch 2.4 takes one tensor a call
-
-    def bump_versions(tensors: list[Tensor]) -> None:
-        for t in tensors:
-            torch.autograd.graph.increment_version(t)
+def bump_versions(tensors: list[Tensor]) -> None:
+    """Count an in-place write to each of ``tensors`` in autograd's version counters
+    (``torch.autograd.graph.increment_version``), for writes autograd did not see."""
+    torch.autograd.graph.increment_version(tensors)
 
 
 # ---------------------------------------------------------------- torch.distributed.rpc
@@ -218,11 +215,6 @@ def triton_rounds_as_eager(options: dict[str, Any]) -> bool:
     return no_contraction and "div_rn" in division
 
 
-def recompile_limit_name() -> str:
-    """dynamo's per-function graph limit, ``recompile_limit`` (``cache_size_limit`` in older torch)."""
-    return "recompile_limit" if hasattr(torch._dynamo.config, "recompile_limit") else "cache_size_limit"
-
-
 @functools.cache
 def tensor_guards() -> Any:
     """dynamo's ``TensorGuards`` where it tells apart what :class:`SameMeta` relies on, else None.
@@ -283,10 +275,10 @@ def compiled_fx_graph_type() -> type | None:
 def fused_compile_settings(graph_limit: int) -> Iterator[None]:
     """dynamo's settings for a fused kernel's compile: no duck shaping (tensors that share a size
     get symbols of their own, ``torch.fx.experimental._config.use_duck_shape``) and a graph limit
-    per function of ``graph_limit`` (``recompile_limit``/``cache_size_limit``)."""
+    per function of ``graph_limit`` (``recompile_limit``)."""
     with (
         torch.fx.experimental._config.patch(use_duck_shape=False),
-        torch._dynamo.config.patch(**{recompile_limit_name(): graph_limit}),
+        torch._dynamo.config.patch(recompile_limit=graph_limit),
     ):
         yield
 

@@ -12,6 +12,13 @@ import torchgrad_compat.optim._numerics as optim_numerics
 DEFAULT_CONFIGS = [(spec, next(iter(spec.configs))) for spec in SPECS]
 DEFAULT_IDS = [spec.name.removesuffix("Optimizer") for spec, _ in DEFAULT_CONFIGS]
 STEPS = 20
+# The graph counts asserted are those of the torch release the tests pin (2.13). torch 2.9's dynamo
+# guards on a float learning rate's value: a scheduler's every new lr recompiles the step, up to
+# recompile_limit, after which it runs eagerly. The numbers are checked on every release.
+GRAPH_COUNTS_OF_THIS_TORCH = torch.torch_version.TorchVersion(torch.__version__) >= (2, 13)
+GRAPH_COUNTS_SKIP = (
+    f"graph counts are torch 2.13's; torch {torch.__version__}'s dynamo recompiles for each new float lr"
+)
 
 
 class CountingBackend:
@@ -61,11 +68,13 @@ def test_compiled_step_under_a_scheduler_compiles_at_most_twice_and_tracks_eager
         eager_opt.step()
         for s in scheds:
             s.step()
-    assert counters["stats"]["unique_graphs"] <= 2
     # Inductor fuses the update into one kernel, each op rounded as eager's (its square root
     # correctly rounded, as the eager step's: see optim._numerics.sqrt): bitwise eager.
     for c, e in zip(compiled_params, eager_params, strict=True):
         assert torch.equal(c, e)
+    if not GRAPH_COUNTS_OF_THIS_TORCH:
+        pytest.skip(GRAPH_COUNTS_SKIP)
+    assert counters["stats"]["unique_graphs"] <= 2
 
 
 @pytest.mark.parametrize(("spec", "cid"), DEFAULT_CONFIGS, ids=DEFAULT_IDS)
@@ -96,6 +105,8 @@ def test_compiled_train_step_matches_eager(spec: OptimSpec, cid: str, monkeypatc
             s.step()
     for c, e in zip(compiled_params, eager_params, strict=True):
         assert torch.equal(c, e)
+    if not GRAPH_COUNTS_OF_THIS_TORCH:
+        pytest.skip(GRAPH_COUNTS_SKIP)
     assert 1 <= backend.graphs <= 4
 
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable, Iterable, Iterator, Sequence
-from typing import Any, ClassVar
+from typing import Any, ClassVar, overload
 
 import torch
 import torch.distributed as dist
@@ -186,6 +186,10 @@ class LossScaleOptimizer(OptimizerWrapper):
         return f"LossScaleOptimizer({self._optimizer!r}, loss_scale={self._loss_scale!r})"
 
     # ------------------------------------------------------------------ scaling
+    @overload
+    def get_scaled_loss(self, loss: Tensor) -> Tensor: ...
+    @overload
+    def get_scaled_loss(self, loss: Callable[[], Tensor]) -> Callable[[], Tensor]: ...
     def get_scaled_loss(self, loss: Tensor | Callable[[], Tensor]) -> Tensor | Callable[[], Tensor]:
         """``loss`` times the current scale (cast to the loss's dtype, as TF).
 

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable
 from typing import Any, ClassVar
 
 import torch
@@ -11,7 +10,7 @@ from torch import Tensor
 from ._dispatch import functional
 from ._hyper import Hyper, HyperScalars
 from ._numerics import foreach_sqrt_, sqrt_
-from .optimizer import Optimizer
+from .optimizer import Optimizer, Params
 
 __all__ = ["AdadeltaOptimizer", "adadelta"]
 
@@ -81,7 +80,7 @@ class AdadeltaOptimizer(Optimizer):
 
     def __init__(
         self,
-        params: Iterable[Tensor] | Iterable[dict[str, Any]],
+        params: Params,
         learning_rate: float | Tensor | Any = 0.001,
         rho: float | Tensor | Any = 0.95,
         epsilon: float | Tensor | Any = 1e-08,

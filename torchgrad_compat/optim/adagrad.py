@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from typing import Any, ClassVar
 
 import torch
@@ -11,7 +11,7 @@ from torch import Tensor
 from ._dispatch import functional
 from ._hyper import Hyper
 from ._numerics import one_element_rows, sqrt
-from .optimizer import Optimizer
+from .optimizer import Optimizer, Params
 
 __all__ = ["AdagradOptimizer", "adagrad"]
 
@@ -84,7 +84,7 @@ class AdagradOptimizer(Optimizer):
 
     def __init__(
         self,
-        params: Iterable[Tensor] | Iterable[dict[str, Any]],
+        params: Params,
         learning_rate: float | Tensor | Any,
         initial_accumulator_value: float = 0.1,
         *,

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable
 from typing import Any, ClassVar
 
 import torch
@@ -13,7 +12,7 @@ from ._dispatch import functional
 from ._hyper import Hyper
 from ._numerics import foreach_sqrt_, one_element_rows, sqrt
 from .adagrad import constant_slot
-from .optimizer import Optimizer
+from .optimizer import Optimizer, Params
 
 __all__ = ["AdagradDAOptimizer", "adagrad_da"]
 
@@ -113,7 +112,7 @@ class AdagradDAOptimizer(Optimizer):
 
     def __init__(
         self,
-        params: Iterable[Tensor] | Iterable[dict[str, Any]],
+        params: Params,
         learning_rate: float | Tensor | Any,
         global_step: Tensor | None = None,
         initial_gradient_squared_accumulator_value: float = 0.1,

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable
 from typing import Any, ClassVar
 
 import torch
@@ -11,7 +10,7 @@ from torch import Tensor
 from ._dispatch import functional
 from ._hyper import Hyper, HyperScalars, float32_tensor
 from ._numerics import foreach_sqrt_, sqrt
-from .optimizer import Optimizer
+from .optimizer import Optimizer, Params
 
 __all__ = ["AdamOptimizer", "adam"]
 
@@ -115,7 +114,7 @@ class AdamOptimizer(Optimizer):
 
     def __init__(
         self,
-        params: Iterable[Tensor] | Iterable[dict[str, Any]],
+        params: Params,
         learning_rate: float | Tensor | Any = 0.001,
         beta1: float | Tensor | Any = 0.9,
         beta2: float | Tensor | Any = 0.999,

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable
 from typing import Any, ClassVar
 
 import torch
@@ -12,7 +11,7 @@ from torch import Tensor
 from ._dispatch import functional
 from ._hyper import Hyper, HyperScalars, float32_tensor
 from ._numerics import foreach_sqrt_, one_element_rows, sqrt
-from .optimizer import Optimizer
+from .optimizer import Optimizer, Params
 
 __all__ = ["FtrlOptimizer", "ftrl"]
 
@@ -123,7 +122,7 @@ class FtrlOptimizer(Optimizer):
 
     def __init__(
         self,
-        params: Iterable[Tensor] | Iterable[dict[str, Any]],
+        params: Params,
         learning_rate: float | Tensor | Any,
         learning_rate_power: float | Tensor | Any = -0.5,
         initial_accumulator_value: float | Tensor | Any = 0.1,

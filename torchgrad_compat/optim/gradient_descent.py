@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable
 from typing import Any, ClassVar
 
 import torch
@@ -10,7 +9,7 @@ from torch import Tensor
 
 from ._dispatch import functional
 from ._hyper import Hyper
-from .optimizer import Optimizer
+from .optimizer import Optimizer, Params
 
 __all__ = ["GradientDescentOptimizer", "gradient_descent"]
 
@@ -59,7 +58,7 @@ class GradientDescentOptimizer(Optimizer):
 
     def __init__(
         self,
-        params: Iterable[Tensor] | Iterable[dict[str, Any]],
+        params: Params,
         learning_rate: float | Tensor | Any,
         *,
         foreach: bool | None = None,

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable
 from typing import Any, ClassVar
 
 import torch
@@ -10,7 +9,7 @@ from torch import Tensor
 
 from ._dispatch import functional
 from ._hyper import Flag, Hyper
-from .optimizer import Optimizer
+from .optimizer import Optimizer, Params
 
 __all__ = ["MomentumOptimizer", "momentum"]
 
@@ -76,7 +75,7 @@ class MomentumOptimizer(Optimizer):
 
     def __init__(
         self,
-        params: Iterable[Tensor] | Iterable[dict[str, Any]],
+        params: Params,
         learning_rate: float | Tensor | Any,
         momentum: float | Tensor | Any,
         use_nesterov: bool = False,

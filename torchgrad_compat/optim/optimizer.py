@@ -34,7 +34,7 @@ import functools
 import itertools
 import operator
 from collections.abc import Callable, Iterable, Sequence
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar, TypeAlias
 
 import torch
 from torch import Tensor
@@ -87,6 +87,11 @@ from ._tf_api import GATE_GRAPH, GATE_NONE, GATE_OP, compute_gradients, hooked_u
 if TYPE_CHECKING:
     from ._census import SameMeta
 
+# What torch's ``ParamsT`` accepts (tensors, param-group dicts, or ``named_parameters()``'s pairs),
+# as one iterable of a union rather than a union of iterables: against the latter mypy cannot
+# infer a list of param-group dicts whose values differ in type, the usual way of writing groups.
+Params: TypeAlias = Iterable[Tensor | dict[str, Any] | tuple[str, Tensor]]
+
 
 class Optimizer(torch.optim.Optimizer):
     """Base class of the TF v1 optimizers; a ``torch.optim.Optimizer``.
@@ -134,7 +139,7 @@ class Optimizer(torch.optim.Optimizer):
     # Instance attributes kept by pickling and deepcopy, beyond torch's three.
     _pickled_attributes: ClassVar[tuple[str, ...]] = ("_non_slot_keys", "_tf_names_given")
 
-    def __init__(self, params: Iterable[Tensor] | Iterable[dict[str, Any]], defaults: dict[str, Any]):
+    def __init__(self, params: Params, defaults: dict[str, Any]):
         if isinstance(params, Tensor):
             raise TypeError(
                 "params argument given to the optimizer should be an iterable of Tensors "

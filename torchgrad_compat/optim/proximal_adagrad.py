@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable
 from typing import Any, ClassVar
 
 import torch
@@ -12,7 +11,7 @@ from ._dispatch import functional
 from ._hyper import Hyper, HyperScalars
 from ._numerics import one_element_rows, sqrt
 from .adagrad import constant_slot
-from .optimizer import Optimizer
+from .optimizer import Optimizer, Params
 
 __all__ = ["ProximalAdagradOptimizer", "proximal_adagrad"]
 
@@ -104,7 +103,7 @@ class ProximalAdagradOptimizer(Optimizer):
 
     def __init__(
         self,
-        params: Iterable[Tensor] | Iterable[dict[str, Any]],
+        params: Params,
         learning_rate: float | Tensor | Any,
         initial_accumulator_value: float = 0.1,
         l1_regularization_strength: float | Tensor | Any = 0.0,

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable
 from typing import Any, ClassVar
 
 import torch
@@ -11,7 +10,7 @@ from torch import Tensor
 from ._dispatch import functional
 from ._hyper import Hyper, HyperScalars
 from ._numerics import one_element_rows
-from .optimizer import Optimizer
+from .optimizer import Optimizer, Params
 
 __all__ = ["ProximalGradientDescentOptimizer", "proximal_gradient_descent"]
 
@@ -85,7 +84,7 @@ class ProximalGradientDescentOptimizer(Optimizer):
 
     def __init__(
         self,
-        params: Iterable[Tensor] | Iterable[dict[str, Any]],
+        params: Params,
         learning_rate: float | Tensor | Any,
         l1_regularization_strength: float | Tensor | Any = 0.0,
         l2_regularization_strength: float | Tensor | Any = 0.0,

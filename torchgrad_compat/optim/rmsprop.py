@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable
 from typing import Any, ClassVar
 
 import torch
@@ -11,7 +10,7 @@ from torch import Tensor
 from ._dispatch import functional
 from ._hyper import Flag, Hyper, HyperScalars
 from ._numerics import foreach_sqrt_, sqrt_
-from .optimizer import Optimizer
+from .optimizer import Optimizer, Params
 
 __all__ = ["RMSPropOptimizer", "rmsprop"]
 
@@ -100,7 +99,7 @@ class RMSPropOptimizer(Optimizer):
 
     def __init__(
         self,
-        params: Iterable[Tensor] | Iterable[dict[str, Any]],
+        params: Params,
         learning_rate: float | Tensor | Any,
         decay: float | Tensor | Any = 0.9,
         momentum: float | Tensor | Any = 0.0,
