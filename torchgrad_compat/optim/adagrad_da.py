@@ -284,7 +284,8 @@ def _multi_tensor_adagrad_da(
     else:
         torch._foreach_copy_(tmp, grad_accums)
         torch._foreach_abs_(tmp)
-        torch._foreach_sub_(tmp, t_l1)
+        # (A list of the 0-d tensor: see adam's _multi_tensor_adam.)
+        torch._foreach_sub_(tmp, [t_l1] * len(tmp))
         torch._foreach_clamp_min_(tmp, 0)
         torch._foreach_sign_(params)
         torch._foreach_mul_(params, neg_lr)
@@ -292,7 +293,7 @@ def _multi_tensor_adagrad_da(
     torch._foreach_copy_(tmp, squared_accums)
     foreach_sqrt_(tmp)
     if l2_t_lr is not None:
-        torch._foreach_add_(tmp, l2_t_lr)
+        torch._foreach_add_(tmp, [l2_t_lr] * len(tmp))
     torch._foreach_div_(params, tmp)
 
 

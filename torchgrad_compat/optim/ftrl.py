@@ -332,8 +332,9 @@ def _multi_tensor_ftrl(
     torch._foreach_div_(params, roots)
     # torch.where is a scalar loop on CPU (several arithmetic passes' worth), so
     # there it runs only on the tensors holding a NaN, found by their norms; on
-    # other devices it runs on every tensor rather than read the norms on the host.
-    if params[0].device.type == "cpu":
+    # other devices, and traced by torch.compile (where a host read breaks the graph), it
+    # runs on every tensor rather than read the norms on the host.
+    if params[0].device.type == "cpu" and not torch.compiler.is_compiling():
         has_nan = torch.stack(torch._foreach_norm(params)).isnan().tolist()
     else:
         has_nan = [True] * len(params)

@@ -384,8 +384,11 @@ class Optimizer(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        # Under the caller's torch.compile, no replay, census or kept metadata: dynamo traces the
+        # checks and the update as plain ops (what is kept would only guard or break its graph).
+        compiling = torch.compiler.is_compiling()
         # (DCP's first step takes the whole path.)
-        replay = self.__dict__.get("_step_replay")
+        replay = None if compiling else self.__dict__.get("_step_replay")
         if replay is not None and not called_from_dcp_init() and replay.run(self, unscaling):
             return loss
         grouped: dict[int, list[tuple[Tensor, Tensor]]] = {}
@@ -394,7 +397,6 @@ class Optimizer(torch.optim.Optimizer):
         shapes: dict[int, list[torch.Size]] = {}
         census_of: dict[int, SameMeta] = {}
         checked = grads_checked
-        compiling = torch.compiler.is_compiling()
         census = not compiling
         for gi, group in enumerate(self.param_groups):
             params = group["params"]

@@ -168,7 +168,8 @@ def _multi_tensor_proximal_gradient_descent(
     if lr_l1 is not None:
         torch._foreach_copy_(tmp, params)
         torch._foreach_abs_(tmp)
-        torch._foreach_sub_(tmp, lr_l1)
+        # (A list of the 0-d tensor: see adam's _multi_tensor_adam.)
+        torch._foreach_sub_(tmp, [lr_l1] * len(tmp))
         torch._foreach_clamp_min_(tmp, 0)
         torch._foreach_sign_(params)
         torch._foreach_mul_(params, tmp)
