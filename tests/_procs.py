@@ -1,8 +1,9 @@
 """Real processes for the distributed tests: a free port on 127.0.0.1, and ranks run under a deadline.
 
 Every rank is a spawned process that reports on a queue; whatever is still
-alive when the group is done, or when the deadline passes, is killed, so a
-hung collective fails its test instead of stalling the run.
+alive when the group is done, or when it has been silent past its bound, is
+killed, so a hung collective fails its test instead of stalling the run. The
+bounds are those of a quiet machine, stretched by ``_deadlines.scaled``.
 """
 
 from __future__ import annotations
@@ -17,6 +18,8 @@ import sys
 import time
 from collections.abc import Callable
 from typing import Any
+
+from _deadlines import scaled
 
 
 def free_port() -> int:
@@ -37,7 +40,10 @@ def run_ranks(
     """Run ``target(*args(rank, port, results))`` in ``world`` processes; what they put on ``results``.
 
     Returns once ``expected`` messages have arrived, every process has exited,
-    or ``deadline_s`` has passed (then with what arrived so far).
+    or the group has sent nothing for ``scaled(deadline_s)`` (then with what
+    arrived so far). A message is progress: a group that reports as it goes
+    (one message per check) is not taken for hung because the whole of it is
+    slow, and a hung one is caught ``scaled(deadline_s)`` after its last message.
     """
     ctx = multiprocessing.get_context("spawn")
     results = ctx.Queue()
@@ -46,11 +52,13 @@ def run_ranks(
     for p in procs:
         p.start()
     messages: list[Any] = []
-    deadline = time.monotonic() + deadline_s
+    silence_s = scaled(deadline_s)
+    deadline = time.monotonic() + silence_s
     try:
         while len(messages) < expected and time.monotonic() < deadline:
             try:
                 messages.append(results.get(timeout=0.5))
+                deadline = time.monotonic() + silence_s
             except queue.Empty:
                 if not any(p.is_alive() for p in procs):
                     break
@@ -67,9 +75,10 @@ def run_ranks(
 def torchrun(args: list[str], *, nproc: int, deadline_s: float, **popen: Any) -> tuple[int, str]:
     """``python -m torch.distributed.run`` with ``nproc`` processes on 127.0.0.1 and a free port.
 
-    Returns the exit status and the combined output. Past ``deadline_s`` the
-    whole process group is killed and the status is that of the kill.
+    Returns the exit status and the combined output. Past ``scaled(deadline_s)``
+    the whole process group is killed and the status is that of the kill.
     """
+    deadline_s = scaled(deadline_s)
     command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc)]
     command += ["--master-addr", "127.0.0.1", "--master-port", str(free_port()), *args]
     proc = subprocess.Popen(
@@ -80,7 +89,7 @@ def torchrun(args: list[str], *, nproc: int, deadline_s: float, **popen: Any) ->
     except subprocess.TimeoutExpired:
         os.killpg(proc.pid, signal.SIGKILL)
         output, _ = proc.communicate()
-        output += f"\n(killed after {deadline_s} s)"
+        output += f"\n(killed after {deadline_s:.0f} s)"
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
@@ -88,8 +97,11 @@ def torchrun(args: list[str], *, nproc: int, deadline_s: float, **popen: Any) ->
     return proc.returncode, output
 
 
-def init_gloo(rank: int, world: int, port: int, timeout_s: float = 30.0) -> None:
-    """A spawned rank joins its gloo group on 127.0.0.1 (loopback, one torch thread per rank)."""
+def init_gloo(rank: int, world: int, port: int, timeout_s: float | None = None) -> None:
+    """A spawned rank joins its gloo group on 127.0.0.1 (loopback, one torch thread per rank).
+
+    ``timeout_s`` is the group's timeout as given; by default gloo's 30 s, scaled.
+    """
     from datetime import timedelta
 
     import torch
@@ -102,5 +114,5 @@ def init_gloo(rank: int, world: int, port: int, timeout_s: float = 30.0) -> None
         init_method=f"tcp://127.0.0.1:{port}",
         rank=rank,
         world_size=world,
-        timeout=timedelta(seconds=timeout_s),
+        timeout=timedelta(seconds=scaled(30.0) if timeout_s is None else timeout_s),
     )

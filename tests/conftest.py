@@ -10,6 +10,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
+from _deadlines import ENV, scaled, time_scale
 
 # torch's autograd engine sizes its per-device queues at its first backward pass, counting the
 # devices each backend reports then: a backward on an XLA device after a CPU one fails an
@@ -19,6 +20,15 @@ if importlib.util.find_spec("torch_xla") is not None:
     import torch_xla
 
     torch_xla.device()
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    # Measured before any test adds load of its own; the processes tests start inherit it.
+    time_scale()
+
+
+def pytest_report_header(config: pytest.Config) -> str:
+    return f"time bounds scaled by {time_scale():.2f} ({ENV})"
 
 
 @pytest.fixture
@@ -45,7 +55,7 @@ def run_tf_generator(tmp_path: Path, tf_python: str) -> Callable[[Path], Path]:
             [tf_python, str(generator), "--out", str(tmp_path)],
             capture_output=True,
             text=True,
-            timeout=600,
+            timeout=scaled(600),
             env={**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2"},
         )
         assert result.returncode == 0, result.stderr[-4000:]

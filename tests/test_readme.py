@@ -17,6 +17,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from _deadlines import scaled
 from _procs import torchrun
 from _readme import DOCS, README, ROOT, all_python_blocks, is_trainer_recipe, page_name, pages, python_blocks
 
@@ -82,7 +83,7 @@ def test_session_blocks_run_in_order(tmp_path):
         [sys.executable, str(driver)],
         capture_output=True,
         text=True,
-        timeout=SESSION_DEADLINE_S,
+        timeout=scaled(SESSION_DEADLINE_S),
         cwd=tmp_path,
     )
     assert result.returncode == 0, result.stderr[-4000:]

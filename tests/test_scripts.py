@@ -11,6 +11,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from _deadlines import scaled
 
 TRAIN = Path(__file__).resolve().parents[1] / "scripts" / "train.py"
 SUMMARY = re.compile(r"^done: .* training loss (\d+\.\d+) -> (\d+\.\d+), held-out accuracy", re.MULTILINE)
@@ -30,12 +31,12 @@ def test_train_script_reduces_loss(optimizer: str, style: str, extra: list[str])
 
 
 def _train(*args: str, timeout: float = 60) -> tuple[float, float]:
-    """Run scripts/train.py; (first, last) training loss from its summary line."""
+    """Run scripts/train.py within ``timeout`` s (scaled); (first, last) loss from its summary line."""
     result = subprocess.run(
         [sys.executable, str(TRAIN), *args],
         capture_output=True,
         text=True,
-        timeout=timeout,
+        timeout=scaled(timeout),
         check=False,
         env={**os.environ, "PJRT_DEVICE": "CPU"},
     )
@@ -58,7 +59,7 @@ def test_every_hostile_case_gets_a_named_error_and_changes_nothing() -> None:
     """scripts/fault_cases.py: bad hyperparameters, gradients, loads and loss-scaling misuse."""
     script = TRAIN.with_name("fault_cases.py")
     result = subprocess.run(
-        [sys.executable, str(script)], capture_output=True, text=True, timeout=300, check=False
+        [sys.executable, str(script)], capture_output=True, text=True, timeout=scaled(300), check=False
     )
     assert result.returncode == 0, result.stdout[-6000:] + result.stderr[-2000:]
     # Every case named, or (a hostile neighbour that needs no error) unharmed.
@@ -72,7 +73,11 @@ def test_tf_checkpoint_table_reports_every_case_within_tolerance() -> None:
 
     script = TRAIN.with_name("tf_checkpoint_table.py")
     result = subprocess.run(
-        [sys.executable, str(script), "--no-tf"], capture_output=True, text=True, timeout=300, check=False
+        [sys.executable, str(script), "--no-tf"],
+        capture_output=True,
+        text=True,
+        timeout=scaled(300),
+        check=False,
     )
     assert result.returncode == 0, result.stdout[-6000:] + result.stderr[-2000:]
     manifest = json.loads((TRAIN.parents[1] / "tests/fixtures/tf_checkpoint/manifest.json").read_text())
@@ -93,7 +98,7 @@ def test_tf_checkpoint_bench_smoke() -> None:
     if importlib.util.find_spec("tensorflow") is None and "TORCHGRAD_COMPAT_TF_PYTHON" not in os.environ:
         args.append("--no-tf")
     result = subprocess.run(
-        [sys.executable, str(script), *args], capture_output=True, text=True, timeout=300, check=False
+        [sys.executable, str(script), *args], capture_output=True, text=True, timeout=scaled(300), check=False
     )
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     readers = dict(
@@ -183,7 +188,7 @@ def test_amp_bench_smoke() -> None:
         [sys.executable, str(script), *args],
         capture_output=True,
         text=True,
-        timeout=300,
+        timeout=scaled(300),
         check=False,
     )
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
@@ -200,7 +205,7 @@ def test_amp_bench_checks_smoke() -> None:
         [sys.executable, str(script), "--checks", "--quick"],
         capture_output=True,
         text=True,
-        timeout=300,
+        timeout=scaled(300),
         check=False,
     )
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]

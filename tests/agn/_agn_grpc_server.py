@@ -8,6 +8,7 @@ import warnings
 from typing import Any
 
 import torch
+from _deadlines import scaled
 
 import torchgrad_compat.optim as tgo
 from torchgrad_compat.agn import AGNWorkerLostWarning, run_parameter_server
@@ -48,7 +49,7 @@ def serve(address: str, num_worker: int, options: dict[str, Any], results: Any) 
         if "certificate" in options:
             with open(options["certificate"], "rb") as c, open(options["key"], "rb") as k:
                 tls = {"certificate_chain": c.read(), "private_key": k.read()}
-        host = GrpcServerHost(address, TOKEN, lease=options.get("lease", 10.0), **tls)
+        host = GrpcServerHost(address, TOKEN, lease=options.get("lease", scaled(10.0)), **tls)
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always", AGNWorkerLostWarning)
             center = run_parameter_server(

@@ -17,6 +17,7 @@ from typing import Any
 
 import torch
 import torch.distributed.rpc as rpc
+from _deadlines import scaled
 from torch import Tensor
 
 import torchgrad_compat.optim as tgo
@@ -30,7 +31,8 @@ from torchgrad_compat.agn import (
     run_parameter_server,
 )
 
-RPC_TIMEOUT_S = 3.0
+# Every request of the RPC groups; the timeout some scenarios expect to fire, so a few seconds.
+RPC_TIMEOUT_S = scaled(3.0)
 
 
 # ---------------------------------------------------------------------- TF's golden tests
@@ -107,7 +109,7 @@ _BARRIER: Any = None
 
 def next_phase() -> None:
     """Wait for every process of the group: one server's workers are done before the next server starts."""
-    _BARRIER.wait(timeout=30)
+    _BARRIER.wait(timeout=scaled(30))
 
 
 def run_process(
@@ -154,9 +156,9 @@ def one_worker_phases(rank: int, world: int, options: dict[str, Any]) -> Any:
 
 
 def server_hangs(rank: int, world: int, options: dict[str, Any]) -> Any:
-    """The server's second update takes RPC_TIMEOUT_S + 1 s: the worker gets a typed error in time."""
+    """The server's second update takes RPC_TIMEOUT_S + 1 s (scaled): the worker gets a typed error."""
     if rank == 0:
-        return _serve(world, options, [torch.zeros(1)], lambda ps: _SlowAt(ps, 2, RPC_TIMEOUT_S + 1))
+        return _serve(world, options, [torch.zeros(1)], lambda ps: _SlowAt(ps, 2, RPC_TIMEOUT_S + scaled(1)))
     p = torch.zeros(1)
     opt = AGNOptimizer(_gd([p]), 1, 1, server="ps")
     start = time.monotonic()
@@ -168,7 +170,7 @@ def server_hangs(rank: int, world: int, options: dict[str, Any]) -> Any:
         error, seconds = str(e), time.monotonic() - start
     else:
         error, seconds = None, None
-    time.sleep(1)  # finish() then waits at most ~1 s for the slow update to release the lock
+    time.sleep(scaled(1))  # finish() then waits at most ~1 s (scaled) for the slow update to release the lock
     return {"error": error, "seconds": seconds, "finished_at": opt.finish()}
 
 
@@ -263,8 +265,9 @@ def bad_input(rank: int, world: int, options: dict[str, Any]) -> Any:
     return {"errors": errors, "after": p.tolist(), "global_step": opt.global_step, "finished": opt.finish()}
 
 
-def _wait_for_updates(count: int, timeout: float = 30.0) -> None:
-    """Poll the server (``snapshot``) until it has applied ``count`` updates."""
+def _wait_for_updates(count: int) -> None:
+    """Poll the server (``snapshot``) until it has applied ``count`` updates (within 30 s, scaled)."""
+    timeout = scaled(30.0)
     endpoint = RpcEndpoint("ps")
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
@@ -274,7 +277,7 @@ def _wait_for_updates(count: int, timeout: float = 30.0) -> None:
         except AGNServerNotReadyError:
             pass
         time.sleep(0.02)
-    raise TimeoutError(f"the server did not reach {count} updates in {timeout} s")
+    raise TimeoutError(f"the server did not reach {count} updates in {timeout:.0f} s")
 
 
 def server_dies(rank: int, world: int, options: dict[str, Any]) -> Any:
@@ -382,14 +385,14 @@ def cannot_start_then_early_death(rank: int, world: int, options: dict[str, Any]
     if rank == 0:
         try:
             run_parameter_server(
-                [torch.zeros(1)], _gd, world - 1, restore_from=options["corrupt"], refuse_for=20
+                [torch.zeros(1)], _gd, world - 1, restore_from=options["corrupt"], refuse_for=scaled(20)
             )
         except ValueError as e:
             refused = str(e)
     else:
         start = time.monotonic()
         try:
-            AGNOptimizer(_gd([torch.zeros(1)]), world - 1, 1, server="ps", startup_timeout=60)
+            AGNOptimizer(_gd([torch.zeros(1)]), world - 1, 1, server="ps", startup_timeout=scaled(60))
         except AGNError as e:
             refused = {"error": f"{type(e).__name__}: {e}", "seconds": time.monotonic() - start}
     next_phase()

@@ -31,6 +31,7 @@ import numpy as np
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
+from _deadlines import scaled
 from _procs import free_port, run_ranks, torchrun
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
@@ -260,7 +261,7 @@ def test_concurrent_pushes_are_applied_exactly_once_each():
     for t in threads:
         t.start()
     for t in threads:
-        t.join(timeout=30)
+        t.join(timeout=scaled(30))
     assert server.done and server.global_step == 4 * pushes
     assert torch.equal(server.center[0], torch.full((4,), pushes * sum(2.0**-k for k in range(4))))
     assert [r.pushes for r in server.workers.values()] == [pushes] * 4
@@ -388,12 +389,12 @@ def test_a_worker_waits_for_a_late_server_then_gives_up_with_a_clear_error():
     host = LocalServerHost()
     threading.Timer(0.3, host.start, args=(ParameterServer([torch.ones(1)], _gd, 1),)).start()
     p = torch.zeros(1)
-    AGNOptimizer(_gd([p]), 1, server=host.endpoint("w"), startup_timeout=5)
+    AGNOptimizer(_gd([p]), 1, server=host.endpoint("w"), startup_timeout=scaled(5))
     assert p.item() == 1.0
     start = time.monotonic()
     with pytest.raises(AGNServerUnavailableError, match="'ps' was not serving within startup_timeout=0.3 s"):
         AGNOptimizer(_gd([torch.zeros(1)]), 1, server=LocalServerHost().endpoint("w"), startup_timeout=0.3)
-    assert time.monotonic() - start < 2
+    assert time.monotonic() - start < scaled(2)
 
 
 def test_the_server_runs_only_its_own_requests():
@@ -431,7 +432,7 @@ def test_a_worker_past_num_worker_waits_for_a_free_slot_and_is_served_to_the_end
     joined: list[AGNOptimizer] = []
     joining = threading.Thread(
         target=lambda: joined.append(
-            AGNOptimizer(_gd([r]), 2, 1, server=host.endpoint("a2"), startup_timeout=10)
+            AGNOptimizer(_gd([r]), 2, 1, server=host.endpoint("a2"), startup_timeout=scaled(10))
         )
     )
     joining.start()
@@ -439,7 +440,7 @@ def test_a_worker_past_num_worker_waits_for_a_free_slot_and_is_served_to_the_end
     assert not joined
     host.dead.add("a")
     server.mark_dead("a")
-    joining.join(timeout=10)
+    joining.join(timeout=scaled(10))
     (a2,) = joined
     # When b finishes the server is not done: it serves a2 to the end (it used to return with
     # a2's pushes still coming).
@@ -450,7 +451,7 @@ def test_a_worker_past_num_worker_waits_for_a_free_slot_and_is_served_to_the_end
     finisher.start()
     with pytest.warns(AGNWorkerLostWarning, match=r"\['a'\] stopped answering"):
         center = serve(server, host.is_alive, 0.01)
-    finisher.join()
+    finisher.join(timeout=scaled(10))
     assert server.global_step == 3 and center[0].item() == -3.0
     # Every slot is held by a finished worker: one more is refused at once.
     with pytest.raises(ValueError, match=r"workers \['a2', 'b'\] are running or finished; worker 'd'"):
@@ -492,9 +493,8 @@ def test_checkpoint_is_weights_only_and_a_restored_server_continues_bitwise(tmp_
 
 
 # ---------------------------------------------------------------------- real RPC processes
-# A group that has not reported by then fails instead of stalling the run. Measured on 2 cores:
-# 12-20 s quiet, 30-55 s under a load of 6-8 (the whole suite beside other jobs); a hang is a
-# process that never ends, told apart at any bound.
+# A group that has not reported by then (scaled) fails instead of stalling the run. Measured on
+# 2 cores: 12-20 s quiet, 30-55 s under a load of 6-8 (the whole suite beside other jobs).
 GROUP_DEADLINE_S = 120
 
 
@@ -580,7 +580,7 @@ def test_rpc_a_server_that_stops_answering_gives_a_typed_error_in_time(one_worke
     server, worker = one_worker_phases[2]
     assert "AGN server 'ps' did not answer 'push' from worker 'worker1'" in worker["error"]
     assert "ran for more than" in worker["error"] or "timed out" in worker["error"]
-    assert workers.RPC_TIMEOUT_S - 0.5 < worker["seconds"] < workers.RPC_TIMEOUT_S + 3
+    assert workers.RPC_TIMEOUT_S - 0.5 < worker["seconds"] < workers.RPC_TIMEOUT_S + scaled(3)
     # The slow update was applied once, after the worker gave up on it; the server went on.
     assert worker["finished_at"] == 2 and server["center"] == [[-2.0]]
 
@@ -589,7 +589,7 @@ def test_rpc_a_killed_server_gives_every_worker_a_typed_error_in_time(golden_two
     for result in golden_two_then_server_dies[1]:
         assert result["error"] is not None, "the worker did not notice the dead server"
         assert "AGN server 'ps' did not answer 'push' from worker 'worker" in result["error"]
-        assert result["seconds"] < workers.RPC_TIMEOUT_S + 3
+        assert result["seconds"] < workers.RPC_TIMEOUT_S + scaled(3)
 
 
 def test_rpc_server_restarted_from_a_checkpoint_continues(tmp_path):
@@ -821,7 +821,7 @@ def test_a_known_worker_that_dies_before_joining_is_not_waited_for():
     thread = threading.Thread(target=lambda: done.append(serve(server, host.is_alive, 0.01, host.peers)))
     with pytest.warns(AGNWorkerLostWarning, match=r"\['b'\]"):
         thread.start()
-        thread.join(timeout=10)
+        thread.join(timeout=scaled(10))
     assert done and done[0][0].item() == -1.0
 
 
@@ -837,17 +837,19 @@ def test_a_server_that_cannot_start_tells_its_workers_at_once(tmp_path):
     def worker() -> None:
         start = time.monotonic()
         try:
-            AGNOptimizer(_gd([torch.zeros(1)]), 1, server=host.endpoint("w"), startup_timeout=30)
+            AGNOptimizer(_gd([torch.zeros(1)]), 1, server=host.endpoint("w"), startup_timeout=scaled(30))
         except AGNError as e:
             errors.append(f"{time.monotonic() - start:.1f} {type(e).__name__}: {e}")
 
     thread = threading.Timer(0.2, worker)
     thread.start()
     with pytest.raises(ValueError, match="cannot be read"):
-        run_parameter_server([torch.zeros(1)], _gd, 1, restore_from=path, transport=host, refuse_for=20)
-    thread.join(timeout=30)
+        run_parameter_server(
+            [torch.zeros(1)], _gd, 1, restore_from=path, transport=host, refuse_for=scaled(20)
+        )
+    thread.join(timeout=scaled(30))
     assert errors and "AGNError: AGN server 'ps' could not start: ValueError: AGN checkpoint" in errors[0]
-    assert float(errors[0].split()[0]) < 5, errors
+    assert float(errors[0].split()[0]) < scaled(5), errors
 
 
 def test_a_server_torn_down_by_sigterm_saves_its_center_first(tmp_path):
@@ -858,7 +860,7 @@ def test_a_server_torn_down_by_sigterm_saves_its_center_first(tmp_path):
 
     def worker() -> None:
         p = torch.zeros(1)
-        opt = AGNOptimizer(_gd([p]), 1, 1, server=host.endpoint("w"), startup_timeout=10)
+        opt = AGNOptimizer(_gd([p]), 1, 1, server=host.endpoint("w"), startup_timeout=scaled(10))
         for _ in range(3):
             opt.apply_gradients([(torch.ones(1), p)])
         os.kill(os.getpid(), signal.SIGTERM)
@@ -869,7 +871,7 @@ def test_a_server_torn_down_by_sigterm_saves_its_center_first(tmp_path):
         run_parameter_server(
             [torch.zeros(1)], _gd, 1, checkpoint_path=path, checkpoint_every=100, transport=host
         )
-    thread.join(timeout=10)
+    thread.join(timeout=scaled(10))
     saved = torch.load(path, weights_only=True)
     assert saved["global_step"] == 3 and saved["center"][0].item() == -3.0
     assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL
@@ -882,7 +884,7 @@ def test_rpc_a_corrupt_checkpoint_reaches_workers_at_once_and_an_early_death_end
     assert 2 not in out, "worker2 was meant to die before it joined"
     (refused, server), (told, finished) = _ok(out, [0, 1])
     assert "cannot be read" in refused and "could not start: ValueError: AGN checkpoint" in told["error"]
-    assert told["seconds"] < 30, told  # startup_timeout=60: it did not wait for it
+    assert told["seconds"] < scaled(30), told  # startup_timeout=60 (scaled): it did not wait for it
     assert finished == 1 and server["center"] == [[-1.0]]
     assert len(server["lost"]) == 1 and "['worker2']" in server["lost"][0]
 
@@ -938,30 +940,31 @@ def test_init_rpc_from_env_gives_up_within_startup_timeout():
     proc = _init_rpc_process(1, 2, free_port(), startup_timeout=2, hold=0)
     start = time.monotonic()
     try:
-        output, _ = proc.communicate(timeout=60)
+        output, _ = proc.communicate(timeout=scaled(60))
     finally:
         proc.kill()
-    assert proc.returncode != 0 and time.monotonic() - start < 30, output
+    assert proc.returncode != 0 and time.monotonic() - start < scaled(30), output
     assert "AGNServerUnavailableError: AGN rendezvous at 127.0.0.1:" in output, output
     assert "(rank 1 of 2) did not complete within startup_timeout=2.0 s" in output, output
 
 
 def test_init_rpc_from_env_listens_on_the_configured_address_only():
     port = free_port()
-    procs = [_init_rpc_process(0, 2, port, startup_timeout=60, hold=4)]
+    # Each process holds its group for 4 s (scaled) after it is up, while the test reads its sockets.
+    procs = [_init_rpc_process(0, 2, port, startup_timeout=scaled(60), hold=scaled(4))]
     try:
-        deadline = time.monotonic() + 30
+        deadline = time.monotonic() + scaled(30)
         while not _listening(procs[0].pid) and time.monotonic() < deadline:
             time.sleep(0.1)
         store = _listening(procs[0].pid)
         assert store == [f"127.0.0.1:{port}"], store
-        procs.append(_init_rpc_process(1, 2, port, startup_timeout=60, hold=4))
+        procs.append(_init_rpc_process(1, 2, port, startup_timeout=scaled(60), hold=scaled(4)))
         for proc in procs:
             lines = iter(proc.stdout.readline, "")  # torch may warn first
-            assert any(line.startswith("up") for line in lines), proc.communicate(timeout=30)[0]
+            assert any(line.startswith("up") for line in lines), proc.communicate(timeout=scaled(30))[0]
         every = [address for proc in procs for address in _listening(proc.pid)]
         assert every and all(a.startswith("127.0.0.1:") for a in every), every
-        outputs = [proc.communicate(timeout=30)[0] for proc in procs]
+        outputs = [proc.communicate(timeout=scaled(30))[0] for proc in procs]
         assert all(proc.returncode == 0 for proc in procs), outputs
     finally:
         for proc in procs:
@@ -1004,7 +1007,7 @@ def test_train_agn_a_killed_worker_leaves_no_process_stuck():
     for rank in range(3):
         env = {**os.environ, "RANK": str(rank), "WORLD_SIZE": "3", "MASTER_ADDR": "127.0.0.1"}
         env.update(MASTER_PORT=str(port), PYTHONPATH=str(SCRIPT.parents[1]))
-        command = [sys.executable, str(SCRIPT), "--steps", "400", "--rpc-timeout", "5"]
+        command = [sys.executable, str(SCRIPT), "--steps", "400", "--rpc-timeout", str(scaled(5))]
         procs.append(
             subprocess.Popen(
                 command,
@@ -1017,9 +1020,13 @@ def test_train_agn_a_killed_worker_leaves_no_process_stuck():
         )
     try:
         lines: list[str] = []
-        pid = int(_wait_for_line(procs[2], r"worker2: joined at global_step \d+ \(pid (\d+)\)", lines, 60)[1])
+        pid = int(
+            _wait_for_line(procs[2], r"worker2: joined at global_step \d+ \(pid (\d+)\)", lines, scaled(60))[
+                1
+            ]
+        )
         os.kill(pid, signal.SIGKILL)
-        outputs = [proc.communicate(timeout=GROUP_DEADLINE_S)[0] for proc in procs[:2]]
+        outputs = [proc.communicate(timeout=scaled(GROUP_DEADLINE_S))[0] for proc in procs[:2]]
         assert [proc.returncode for proc in procs[:2]] == [0, 0], outputs
         assert "worker(s) ['worker2'] stopped answering" in outputs[0], outputs[0]
         assert "worker1: step 400 " in outputs[1], outputs[1]
@@ -1047,10 +1054,12 @@ def test_train_agn_under_torchrun_a_killed_worker_still_leaves_a_checkpoint(tmp_
     )
     try:
         lines: list[str] = []
-        pid = int(_wait_for_line(proc, r"worker2: joined at global_step \d+ \(pid (\d+)\)", lines, 60)[1])
-        _wait_for_line(proc, r"worker2: step 100 ", lines, 60)
+        pid = int(
+            _wait_for_line(proc, r"worker2: joined at global_step \d+ \(pid (\d+)\)", lines, scaled(60))[1]
+        )
+        _wait_for_line(proc, r"worker2: step 100 ", lines, scaled(60))
         os.kill(pid, signal.SIGKILL)
-        output = "".join(lines) + proc.communicate(timeout=GROUP_DEADLINE_S)[0]
+        output = "".join(lines) + proc.communicate(timeout=scaled(GROUP_DEADLINE_S))[0]
         assert proc.returncode != 0, output
     finally:
         _kill_group(proc)
@@ -1101,7 +1110,7 @@ def test_join_timeout_bounds_the_wait_for_workers_that_never_make_contact():
 
     def worker() -> None:
         p = torch.zeros(1)
-        opt = AGNOptimizer(_gd([p]), 3, 1, server=host.endpoint("w"), startup_timeout=10)
+        opt = AGNOptimizer(_gd([p]), 3, 1, server=host.endpoint("w"), startup_timeout=scaled(10))
         opt.apply_gradients([(torch.ones(1), p)])
         opt.finish()
 
@@ -1112,8 +1121,8 @@ def test_join_timeout_bounds_the_wait_for_workers_that_never_make_contact():
         center = run_parameter_server(
             [torch.zeros(1)], _gd, 3, transport=host, liveness_interval=0.05, join_timeout=1.5
         )
-    thread.join(timeout=10)
-    assert center[0].item() == -1.0 and 1.5 <= time.monotonic() - start < 10
+    thread.join(timeout=scaled(10))
+    assert center[0].item() == -1.0 and 1.5 <= time.monotonic() - start < scaled(10)
     with pytest.raises(ValueError, match="Invalid join_timeout value: 0"):
         run_parameter_server([torch.zeros(1)], _gd, 1, transport=LocalServerHost(), join_timeout=0)
 
@@ -1126,8 +1135,10 @@ def test_a_restarted_worker_takes_its_name_back_once_the_server_finds_the_old_pr
     # The old process "dies"; the liveness probe finds out a little later than the restart.
     threading.Timer(0.5, server.mark_dead, args=("w",)).start()
     start = time.monotonic()
-    restarted = AGNOptimizer(_gd([torch.zeros(1)]), 1, 1, server=host.endpoint("w"), startup_timeout=10)
-    assert 0.4 < time.monotonic() - start < 5 and restarted.global_step == 1
+    restarted = AGNOptimizer(
+        _gd([torch.zeros(1)]), 1, 1, server=host.endpoint("w"), startup_timeout=scaled(10)
+    )
+    assert 0.4 < time.monotonic() - start < scaled(5) and restarted.global_step == 1
     with pytest.raises(AGNError, match="incarnation 1 was replaced by 2"):
         old.apply_gradients([(torch.ones(1), p)])
 
@@ -1365,7 +1376,7 @@ def test_a_join_whose_answer_was_lost_gets_its_session_on_the_retry():
     # It used to find its own name in use until startup_timeout: the first attempt had made a session.
     server, host = _local([torch.zeros(1)], _gd, 1)
     p = torch.zeros(1)
-    opt = AGNOptimizer(_gd([p]), 1, 1, server=_LosesFirstJoinAnswer(host, "w"), startup_timeout=5)
+    opt = AGNOptimizer(_gd([p]), 1, 1, server=_LosesFirstJoinAnswer(host, "w"), startup_timeout=scaled(5))
     assert server.workers["w"].incarnation == 1
     opt.apply_gradients([(torch.ones(1), p)])
     assert server.global_step == 1 and opt.finish() == 1

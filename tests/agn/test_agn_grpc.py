@@ -22,6 +22,7 @@ from typing import Any
 
 import pytest
 import torch
+from _deadlines import scaled
 from _procs import free_port, torchrun
 
 grpc = pytest.importorskip("grpc")
@@ -43,7 +44,7 @@ def _start_server(num_worker: int, **options: Any) -> tuple[Any, Any, str]:
     proc = ctx.Process(target=grpc_server.serve, args=(address, num_worker, options, results), daemon=True)
     proc.start()
     host, port = address.split(":")
-    deadline = time.monotonic() + DEADLINE_S
+    deadline = time.monotonic() + scaled(DEADLINE_S)
     while time.monotonic() < deadline:
         try:
             socket.create_connection((host, int(port)), timeout=1).close()
@@ -52,17 +53,17 @@ def _start_server(num_worker: int, **options: Any) -> tuple[Any, Any, str]:
             time.sleep(0.1)
     else:
         proc.kill()
-        pytest.fail(f"the gRPC server did not listen on {address} within {DEADLINE_S} s")
+        pytest.fail(f"the gRPC server did not listen on {address} within {scaled(DEADLINE_S):.0f} s")
     return proc, results, address
 
 
 def _result(proc: Any, results: Any) -> dict[str, Any]:
     try:
-        outcome = results.get(timeout=DEADLINE_S)
+        outcome = results.get(timeout=scaled(DEADLINE_S))
     except queue.Empty:
         pytest.fail("the gRPC server did not report")
     finally:
-        proc.join(timeout=10)
+        proc.join(timeout=scaled(10))
         if proc.is_alive():
             proc.kill()
     assert outcome.get("error") is None, outcome["error"]
@@ -99,18 +100,20 @@ def test_grpc_server_refuses_garbage_and_strangers_and_keeps_serving():
     call = channel.unary_unary("/torchgrad_compat.agn.AGN/Request")
     for payload in (b"", os.urandom(512), grpc_server.encode(["not", "a", "request"])):
         with pytest.raises(grpc.RpcError) as info:
-            call(payload, timeout=10, metadata=(("agn-token", TOKEN),))
+            call(payload, timeout=scaled(10), metadata=(("agn-token", TOKEN),))
         assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     no_token = channel.unary_unary("/torchgrad_compat.agn.AGN/Request")
     with pytest.raises(grpc.RpcError) as info:
-        no_token(grpc_server.encode(("snapshot", "worker1", ())), timeout=10)
+        no_token(grpc_server.encode(("snapshot", "worker1", ())), timeout=scaled(10))
     assert info.value.code() == grpc.StatusCode.UNAUTHENTICATED
     channel.close()
     _garbage(address)
     # The server is still there: an honest worker trains against it, every push counted once.
     p = torch.zeros(3)
     endpoint = GrpcEndpoint(address, "worker1", TOKEN)
-    opt = AGNOptimizer(tgo.GradientDescentOptimizer([p], 1.0), 1, 1, server=endpoint, startup_timeout=30)
+    opt = AGNOptimizer(
+        tgo.GradientDescentOptimizer([p], 1.0), 1, 1, server=endpoint, startup_timeout=scaled(30)
+    )
     for _ in range(3):
         opt.apply_gradients([(torch.ones(3), p)])
     assert opt.finish() == 3 and p.tolist() == [-3.0] * 3
@@ -121,15 +124,17 @@ def test_grpc_server_refuses_garbage_and_strangers_and_keeps_serving():
 
 def test_grpc_a_joined_worker_that_stops_heartbeating_is_lost_and_the_other_finishes():
     """worker3 never joins: it is not counted, and join_timeout ends the wait for it."""
-    proc, results, address = _start_server(3, lease=2.0, join_timeout=10.0)
+    proc, results, address = _start_server(3, lease=scaled(2.0), join_timeout=scaled(10.0))
     alive, silent, early = (
         GrpcEndpoint(address, f"worker{k}", TOKEN, heartbeat_interval=0.2) for k in (1, 2, 3)
     )
     time.sleep(1)  # worker3 is connected, then dies before it joins
     early.close()
     p, q = torch.zeros(3), torch.zeros(3)
-    opt = AGNOptimizer(tgo.GradientDescentOptimizer([p], 1.0), 3, 1, server=alive, startup_timeout=30)
-    other = AGNOptimizer(tgo.GradientDescentOptimizer([q], 1.0), 3, 1, server=silent, startup_timeout=30)
+    opt = AGNOptimizer(tgo.GradientDescentOptimizer([p], 1.0), 3, 1, server=alive, startup_timeout=scaled(30))
+    other = AGNOptimizer(
+        tgo.GradientDescentOptimizer([q], 1.0), 3, 1, server=silent, startup_timeout=scaled(30)
+    )
     other.apply_gradients([(torch.ones(3), q)])
     silent.close()  # as a killed worker: no more heartbeats
     opt.apply_gradients([(torch.ones(3), p)])
@@ -160,7 +165,7 @@ def test_grpc_a_worker_without_a_server_gives_up_within_startup_timeout():
         AGNOptimizer(
             tgo.GradientDescentOptimizer([torch.zeros(1)], 1.0), 1, server=endpoint, startup_timeout=2
         )
-    assert time.monotonic() - start < 10
+    assert time.monotonic() - start < scaled(10)
     endpoint.close()
 
 
@@ -185,7 +190,7 @@ def test_grpc_over_tls_serves_workers_that_trust_its_certificate(tmp_path):
         command,
         check=True,
         capture_output=True,
-        timeout=60,
+        timeout=scaled(60),
     )
     proc, results, address = _start_server(1, certificate=str(cert), key=str(key))
     plain = GrpcEndpoint(address, "worker1", TOKEN, timeout=2)
@@ -194,7 +199,9 @@ def test_grpc_over_tls_serves_workers_that_trust_its_certificate(tmp_path):
     plain.close()
     endpoint = GrpcEndpoint(address, "worker1", TOKEN, root_certificates=cert.read_bytes())
     p = torch.zeros(3)
-    opt = AGNOptimizer(tgo.GradientDescentOptimizer([p], 1.0), 1, 1, server=endpoint, startup_timeout=30)
+    opt = AGNOptimizer(
+        tgo.GradientDescentOptimizer([p], 1.0), 1, 1, server=endpoint, startup_timeout=scaled(30)
+    )
     opt.apply_gradients([(torch.ones(3), p)])
     assert opt.finish() == 1
     endpoint.close()
@@ -217,7 +224,9 @@ def test_grpc_a_failure_inside_the_server_reaches_the_worker_named_and_the_push_
     proc, results, address = _start_server(1, fail_at=2)
     endpoint = GrpcEndpoint(address, "worker1", TOKEN)
     p = torch.zeros(3)
-    opt = AGNOptimizer(tgo.GradientDescentOptimizer([p], 1.0), 1, 1, server=endpoint, startup_timeout=30)
+    opt = AGNOptimizer(
+        tgo.GradientDescentOptimizer([p], 1.0), 1, 1, server=endpoint, startup_timeout=scaled(30)
+    )
     opt.apply_gradients([(torch.ones(3), p)])
     with pytest.raises(AGNError, match="failed on 'push': RuntimeError: the server's optimizer failed"):
         opt.apply_gradients([(torch.ones(3), p)])

@@ -23,6 +23,7 @@ from typing import Any
 
 import pytest
 import torch
+from _deadlines import scaled
 from _procs import free_port
 
 grpc = pytest.importorskip("grpc")
@@ -48,39 +49,40 @@ def _server(num_worker: int, **options: Any) -> Iterator[tuple[Any, Any, str]]:
     proc = ctx.Process(target=grpc_server.serve, args=(address, num_worker, options, results), daemon=True)
     proc.start()
     try:
-        deadline = time.monotonic() + START_S
+        deadline = time.monotonic() + scaled(START_S)
         while True:
             try:
                 socket.create_connection(("127.0.0.1", int(address.split(":")[1])), timeout=1).close()
                 break
             except OSError:
                 if time.monotonic() > deadline or not proc.is_alive():
-                    pytest.fail(f"the gRPC server did not listen on {address} within {START_S} s")
+                    pytest.fail(f"the gRPC server did not listen on {address} within {scaled(START_S):.0f} s")
                 time.sleep(0.1)
         yield proc, results, address
     finally:
         proc.join(timeout=0.1)
         if proc.is_alive():
             proc.kill()
-            proc.join(timeout=10)
+            proc.join(timeout=scaled(10))
 
 
 def _result(results: Any, within: float) -> dict[str, Any]:
+    """The server's report, waited for ``within`` seconds (scaled)."""
     try:
-        outcome = results.get(timeout=within)
+        outcome = results.get(timeout=scaled(within))
     except queue.Empty:
-        pytest.fail(f"the gRPC server did not return within {within} s")
+        pytest.fail(f"the gRPC server did not return within {scaled(within):.0f} s")
     assert outcome.get("error") is None, outcome["error"]
     return outcome
 
 
 def _train(address: str, pushes: int, num_worker: int = 1, name: str = "worker1") -> list[float]:
     """An honest worker: join, ``pushes`` pushes of ones, finish; its parameter after that."""
-    endpoint = GrpcEndpoint(address, name, TOKEN, timeout=5, heartbeat_interval=0.2)
+    endpoint = GrpcEndpoint(address, name, TOKEN, timeout=scaled(5), heartbeat_interval=0.2)
     try:
         p = torch.zeros(3)
         opt = AGNOptimizer(
-            tgo.GradientDescentOptimizer([p], 1.0), num_worker, 1, server=endpoint, startup_timeout=10
+            tgo.GradientDescentOptimizer([p], 1.0), num_worker, 1, server=endpoint, startup_timeout=scaled(10)
         )
         for _ in range(pushes):
             opt.apply_gradients([(torch.ones(3), p)])
@@ -181,11 +183,11 @@ def test_stalled_unauthenticated_calls_are_refused_at_once_and_hold_nothing():
     with _server(1) as (_, results, address):
         stalled = [_stalled_call(address, token) for token in (None, WRONG) for _ in range(12)]
         try:
-            ended = sum(_stream_ended(s, within=5 if i == 0 else 0.5) for i, s in enumerate(stalled))
+            ended = sum(_stream_ended(s, within=scaled(5 if i == 0 else 0.5)) for i, s in enumerate(stalled))
             assert ended == len(stalled), f"the server left {len(stalled) - ended} stalled calls open"
             start = time.monotonic()
             assert _train(address, 2) == [-2.0] * 3
-            assert time.monotonic() - start < 10
+            assert time.monotonic() - start < scaled(10)
         finally:
             for s in stalled:
                 s.close()
@@ -206,9 +208,11 @@ def test_connections_that_never_make_a_call_are_closed():
             sockets.append(_connect(address))
             sockets.append(_connect(address))
             sockets[-1].sendall(_frame(_HEADERS, 0, 1, half[: len(half) // 2]))
-        start = time.monotonic()
-        open_ = [i % 3 for i, s in enumerate(sockets) if not _stream_ended(s, start + 10 - time.monotonic())]
-        assert not open_, f"still open after 10 s: {len(open_)} (kinds {sorted(set(open_))})"
+        start, within = time.monotonic(), scaled(10)
+        open_ = [
+            i % 3 for i, s in enumerate(sockets) if not _stream_ended(s, start + within - time.monotonic())
+        ]
+        assert not open_, f"still open after {within:.0f} s: {len(open_)} (kinds {sorted(set(open_))})"
     finally:
         for s in sockets:
             s.close()
@@ -230,15 +234,17 @@ def test_an_unauthenticated_300_mb_request_is_refused_before_it_is_received():
         try:
             call = channel.unary_unary(METHOD)
             snapshot = grpc_server.encode(("snapshot", "monitor", ()))
-            call(snapshot, timeout=10, metadata=(("agn-token", TOKEN),))  # the server's paths warmed up
+            call(
+                snapshot, timeout=scaled(10), metadata=(("agn-token", TOKEN),)
+            )  # the server's paths warmed up
             before = _peak_rss(proc.pid)
             payload = bytes(payload_bytes)
             for metadata in ((), (("agn-token", WRONG),)):
                 start = time.monotonic()
                 with pytest.raises(grpc.RpcError) as info:
-                    call(payload, timeout=15, metadata=metadata)
+                    call(payload, timeout=scaled(15), metadata=metadata)
                 assert info.value.code() == grpc.StatusCode.UNAUTHENTICATED, info.value
-                assert time.monotonic() - start < 10
+                assert time.monotonic() - start < scaled(10)
             del payload
             # Received whole, one request alone would add 300 MB (286 MiB; 1 GiB seen).
             grown = _peak_rss(proc.pid) - before
@@ -259,20 +265,20 @@ def test_an_unauthenticated_300_mb_request_is_refused_before_it_is_received():
 
 def test_a_client_that_never_joined_is_no_worker_and_cannot_end_the_job():
     """A client with the token that only reads (snapshot), heartbeats or is refused, then goes away."""
-    with _server(1, lease=0.5) as (_, results, address):
+    with _server(1, lease=scaled(0.5)) as (_, results, address):
         channel = grpc.insecure_channel(address)
         try:
             call = channel.unary_unary(METHOD)
             metadata = (("agn-token", TOKEN),)
             for request in (("snapshot", "monitor", ()), ("heartbeat", "monitor", ())):
-                call(grpc_server.encode(request), timeout=10, metadata=metadata)
+                call(grpc_server.encode(request), timeout=scaled(10), metadata=metadata)
             refused = call(
-                grpc_server.encode(("finish", "stranger", ((1, "x"),))), timeout=10, metadata=metadata
+                grpc_server.encode(("finish", "stranger", ((1, "x"),))), timeout=scaled(10), metadata=metadata
             )
             assert grpc_server.decode(refused)[0] == "AGNError"
         finally:
             channel.close()
-        time.sleep(2.5)  # five leases and more than three probes: a counted name would be dead by now
+        time.sleep(scaled(2.5))  # five leases and more than three probes: a counted name would be dead by now
         assert results.empty(), results.get()
         assert _train(address, 2) == [-2.0] * 3
         outcome = _result(results, 20)
@@ -282,10 +288,12 @@ def test_a_client_that_never_joined_is_no_worker_and_cannot_end_the_job():
 def test_a_stranger_cannot_keep_a_dead_worker_alive():
     """worker1 joins and dies; while a client with the token heartbeats and reads under its name,
     worker2 trains and finishes, and the server ends with worker1 lost."""
-    with _server(2, lease=0.5) as (_, results, address):
-        endpoint = GrpcEndpoint(address, "worker1", TOKEN, timeout=5, heartbeat_interval=0.2)
+    with _server(2, lease=scaled(0.5)) as (_, results, address):
+        endpoint = GrpcEndpoint(address, "worker1", TOKEN, timeout=scaled(5), heartbeat_interval=0.2)
         p = torch.zeros(3)
-        AGNOptimizer(tgo.GradientDescentOptimizer([p], 1.0), 2, 1, server=endpoint, startup_timeout=10)
+        AGNOptimizer(
+            tgo.GradientDescentOptimizer([p], 1.0), 2, 1, server=endpoint, startup_timeout=scaled(10)
+        )
         endpoint.close()  # dies without finish(): its heartbeats stop
         stop = threading.Event()
         stranger = threading.Thread(target=_pose_as, args=(address, "worker1", stop), daemon=True)
@@ -295,21 +303,21 @@ def test_a_stranger_cannot_keep_a_dead_worker_alive():
             outcome = _result(results, 15)
         finally:
             stop.set()
-            stranger.join(timeout=10)
+            stranger.join(timeout=scaled(10))
         assert outcome["center"] == [[-1.0] * 3]
         assert len(outcome["lost"]) == 1 and "['worker1']" in outcome["lost"][0], outcome["lost"]
 
 
 def _pose_as(address: str, worker: str, stop: threading.Event) -> None:
-    """Heartbeat and read under ``worker``'s name (with the token) until ``stop``, at most 60 s."""
+    """Heartbeat and read under ``worker``'s name (with the token) until ``stop``, at most 60 s (scaled)."""
     channel = grpc.insecure_channel(address)
     call = channel.unary_unary(METHOD)
-    deadline = time.monotonic() + 60
+    deadline = time.monotonic() + scaled(60)
     try:
         while not stop.is_set() and time.monotonic() < deadline:
             for request in (("heartbeat", worker, ()), ("snapshot", worker, ())):
                 with contextlib.suppress(grpc.RpcError):  # the server has gone: the test says why
-                    call(grpc_server.encode(request), timeout=5, metadata=(("agn-token", TOKEN),))
+                    call(grpc_server.encode(request), timeout=scaled(5), metadata=(("agn-token", TOKEN),))
             stop.wait(0.1)
     finally:
         channel.close()

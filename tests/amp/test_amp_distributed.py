@@ -33,6 +33,7 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as dist
+from _deadlines import scaled
 from _procs import free_port, init_gloo
 from torch import Tensor, nn
 from torch.nn import functional as F
@@ -48,7 +49,7 @@ FAULTS = {1: "grad", 3: "loss", 4: "grad"}
 SKIPPED = sorted(FAULTS)
 # The expected scale after every step: 8, period 2; finite steps 0, 2, 5.
 SCALES = [8.0, 4.0, 4.0, 2.0, 1.0, 1.0]
-# A hung collective fails the run here instead of stalling it (gloo's own timeout is 30 s).
+# A hung collective fails the run here instead of stalling it (gloo's own timeout is 30 s, scaled).
 DEADLINE_S = 90
 
 
@@ -233,7 +234,7 @@ def ranks(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
     ]
     for p in procs:
         p.start()
-    deadline = time.monotonic() + DEADLINE_S
+    deadline = time.monotonic() + scaled(DEADLINE_S)
     try:
         for p in procs:
             p.join(timeout=max(0.0, deadline - time.monotonic()))
@@ -242,9 +243,9 @@ def ranks(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
         for p in procs:
             if p.is_alive():
                 p.kill()
-                p.join(timeout=5)
+                p.join(timeout=scaled(5))
     if hung:
-        pytest.fail(f"ranks {hung} did not finish within {DEADLINE_S} s (a hung collective?)")
+        pytest.fail(f"ranks {hung} did not finish within {scaled(DEADLINE_S):.0f} s (a hung collective?)")
     for rank, p in enumerate(procs):
         assert p.exitcode == 0, f"rank {rank} exited with {p.exitcode}"
     return [torch.load(out_dir / f"rank{rank}.pt", weights_only=True) for rank in range(WORLD)]

@@ -35,6 +35,7 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
+from _deadlines import scaled
 
 import torchgrad_compat.optim as tgo
 from torchgrad_compat.amp import DynamicLossScale, LossScaleOptimizer
@@ -249,7 +250,7 @@ def test_tensorflow_restores_and_continues(tmp_path: Path, tf_python: str) -> No
         [tf_python, str(GENERATOR), "--restore", str(tmp_path), "--fixtures", str(FIXTURES)],
         capture_output=True,
         text=True,
-        timeout=600,
+        timeout=scaled(600),
         env={**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2"},
     )
     assert result.returncode == 0, result.stderr[-4000:]
@@ -1202,7 +1203,7 @@ def _script(name: str, *args: Any, cwd: Path) -> str:
         [sys.executable, str(ROOT / "scripts" / name), *map(str, args)],
         capture_output=True,
         text=True,
-        timeout=120,
+        timeout=scaled(120),
         cwd=cwd,
         env={**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])},
     )
@@ -1260,7 +1261,7 @@ def test_converter_refuses_another_models_checkpoint(tmp_path: Path) -> None:
         ],
         capture_output=True,
         text=True,
-        timeout=120,
+        timeout=scaled(120),
         cwd=tmp_path,
         env={**os.environ, "PYTHONPATH": str(ROOT)},
     )
@@ -1286,7 +1287,7 @@ def test_tf_train_generator_reproduces_the_fixture(tmp_path: Path, tf_python: st
         ],
         capture_output=True,
         text=True,
-        timeout=600,
+        timeout=scaled(600),
         env={**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2"},
     )
     assert result.returncode == 0, result.stderr[-4000:]
@@ -1496,7 +1497,7 @@ def _run_scoped(tf_python: str, *args: Any) -> dict[str, Any]:
         [tf_python, str(SCOPED), *map(str, args)],
         capture_output=True,
         text=True,
-        timeout=300,
+        timeout=scaled(300),
         env={**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2"},
     )
     assert result.returncode == 0, result.stderr[-4000:]

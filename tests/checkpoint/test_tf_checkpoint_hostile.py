@@ -24,6 +24,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from _deadlines import scaled
 
 import torchgrad_compat.optim as tgo
 from torchgrad_compat.checkpoint import (
@@ -43,10 +44,11 @@ Entries = list[tuple[bytes, bytes]]
 # ---------------------------------------------------------------------- helpers
 @contextlib.contextmanager
 def _deadline(seconds: float) -> Iterator[None]:
-    """Raise TimeoutError in the block after ``seconds`` (a hang, or a quadratic loop, fails fast)."""
+    """Raise TimeoutError in the block after ``seconds`` (scaled): a hang, or a quadratic loop, fails fast."""
+    seconds = scaled(seconds)
 
     def expire(signum: int, frame: object) -> None:
-        raise TimeoutError(f"no answer within {seconds} s")
+        raise TimeoutError(f"no answer within {seconds:.0f} s")
 
     previous = signal.signal(signal.SIGALRM, expire)
     signal.setitimer(signal.ITIMER_REAL, seconds)

@@ -19,6 +19,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from _autograd import FailingBackward
+from _deadlines import scaled
 from torch import Tensor
 
 import torchgrad_compat.optim as tgo
@@ -323,7 +324,7 @@ def test_hessians_chunk_size_bounds_memory_beyond_the_result(chunk_size: int) ->
         [sys.executable, "-c", _PEAK_RSS, str(n), str(chunk_size)],
         capture_output=True,
         text=True,
-        timeout=300,
+        timeout=scaled(300),
         check=True,
         env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2])},
     )

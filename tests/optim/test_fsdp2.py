@@ -24,7 +24,7 @@ from _procs import run_ranks
 
 WORLD = 2
 CHECKS = list(workers.CHECKS)
-# A hung collective fails the run here, instead of stalling it.
+# A group silent this long (scaled) is hung: a hung collective fails the run instead of stalling it.
 DEADLINE_S = 150
 
 

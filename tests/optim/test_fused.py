@@ -26,6 +26,7 @@ from typing import Any
 
 import pytest
 import torch
+from _deadlines import scaled
 from optim_specs import FUSED_TOL, SPECS, OptimSpec
 from torch._dynamo.utils import counters
 
@@ -1137,7 +1138,11 @@ def test_the_fused_step_under_the_stream_ordered_allocator_matches_the_loop_on_c
     env = {**os.environ, "PYTORCH_CUDA_ALLOC_CONF": "backend:cudaMallocAsync"}
     env["PYTHONPATH"] = os.pathsep.join([str(Path(__file__).parents[1]), env.get("PYTHONPATH", "")])
     done = subprocess.run(
-        [sys.executable, "-c", _STREAM_ORDERED_LOOP], env=env, capture_output=True, text=True, timeout=300
+        [sys.executable, "-c", _STREAM_ORDERED_LOOP],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=scaled(300),
     )
     assert done.returncode == 0, done.stdout + done.stderr
     assert f"all {len(SPECS)} match" in done.stdout
@@ -1197,7 +1202,7 @@ def test_probes_of_the_generated_call_in_two_threads_leave_inductor_as_it_was():
         time.sleep(0.2)
 
     def compiled_b(*args: Any) -> None:
-        a_done.wait(timeout=5)
+        a_done.wait(timeout=scaled(5))
 
     def probe_a() -> None:
         fused_kernel._generated_call(kernel, compiled_a, like, {})
@@ -1205,11 +1210,11 @@ def test_probes_of_the_generated_call_in_two_threads_leave_inductor_as_it_was():
 
     first = threading.Thread(target=probe_a)
     first.start()
-    assert a_inside.wait(timeout=5)
+    assert a_inside.wait(timeout=scaled(5))
     second = threading.Thread(target=fused_kernel._generated_call, args=(kernel, compiled_b, like, {}))
     second.start()
-    first.join(timeout=10)
-    second.join(timeout=10)
+    first.join(timeout=scaled(10))
+    second.join(timeout=scaled(10))
     assert CompiledFxGraph.__call__ is real
 
 

@@ -31,6 +31,7 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
+from _deadlines import scaled
 
 import torchgrad_compat.optim as tgo
 import torchgrad_compat.optim._fused.config as fused_config
@@ -306,7 +307,7 @@ def test_float64_tensor_hyperparameters_keep_their_precision_as_in_tensorflow(tf
         [tf_python, "-c", _F64_HYPER_TF, json.dumps(_F64_HYPER_CASES), json.dumps(grads.tolist())],
         capture_output=True,
         text=True,
-        timeout=300,
+        timeout=scaled(300),
         env={**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2"},
     )
     assert result.returncode == 0, result.stderr[-4000:]

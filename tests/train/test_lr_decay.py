@@ -15,6 +15,7 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
+from _deadlines import scaled
 from torch._dynamo.utils import counters
 from torch.optim import lr_scheduler as sched
 
@@ -642,7 +643,7 @@ def test_signatures_match_live_tensorflow(tf_python: str) -> None:
         [tf_python, "-c", _TF_SIGNATURES % DECAY_FUNCTIONS],
         capture_output=True,
         text=True,
-        timeout=300,
+        timeout=scaled(300),
         env={**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2"},
     )
     assert result.returncode == 0, result.stderr[-4000:]

@@ -36,6 +36,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from _deadlines import scaled
 from torch import Tensor
 
 STEPS = 4
@@ -44,7 +45,7 @@ LOCAL_BATCH = 4
 INF_STEP = 1
 # How long a replica waits for its turn at a sync before the harness gives up (XLA itself aborts a
 # collective that not every replica reaches after 10 s).
-TURN_TIMEOUT_S = 120.0
+TURN_TIMEOUT_S = scaled(120.0)
 
 
 @dataclass(frozen=True)
@@ -146,7 +147,9 @@ class _Turnstile:
         gc.collect()
         with self._cv:
             if not self._cv.wait_for(lambda: self._turn == me, timeout=TURN_TIMEOUT_S):
-                raise RuntimeError(f"replica {me} waited {TURN_TIMEOUT_S} s for its turn at torch_xla.sync")
+                raise RuntimeError(
+                    f"replica {me} waited {TURN_TIMEOUT_S:.0f} s for its turn at torch_xla.sync"
+                )
             try:
                 self._sync(*args, **kwargs)
             finally:

@@ -16,6 +16,7 @@ import warnings
 import _cross_shard_workers as workers
 import pytest
 import torch
+from _deadlines import scaled
 from _procs import run_ranks
 from torch import nn
 
@@ -53,7 +54,7 @@ FOUR_RANK_CHECKS = [
     "mismatched_parameters",
     "invalid_argument_on_one_rank",
 ]
-# A hung collective fails the run here, instead of stalling it (gloo's own timeout is 30 s).
+# A group silent this long (scaled) is hung: a hung collective fails the run instead of stalling it.
 DEADLINE_S = 120
 
 
@@ -102,7 +103,7 @@ def test_four_ranks(four_ranks, check):
 
 def test_a_frozen_peer_surfaces_as_an_error_after_the_group_timeout():
     """A rank that stops answering: the others' step raises RuntimeError once the group's timeout passes."""
-    timeout_s = 3.0
+    timeout_s = scaled(3.0)  # the timeout under test; scaled too, or a slow rendezvous would time out
     messages = run_ranks(
         workers.frozen_peer,
         2,
@@ -113,7 +114,7 @@ def test_a_frozen_peer_surfaces_as_an_error_after_the_group_timeout():
     assert len(messages) == 1, "rank 0 did not report (hung past its process group's timeout)"
     rank, error, seconds = messages[0]
     assert rank == 0 and error is not None and error.startswith("RuntimeError"), error
-    assert timeout_s - 0.5 <= seconds <= timeout_s + 5, (seconds, error)
+    assert timeout_s - 0.5 <= seconds <= timeout_s + scaled(5), (seconds, error)
 
 
 # ---------------------------------------------------------------- one process, no process group

@@ -18,6 +18,7 @@ from pathlib import Path
 import _xla_replicas as harness
 import pytest
 import torch
+from _deadlines import scaled
 
 pytestmark = pytest.mark.skipif(
     importlib.util.find_spec("torch_xla") is None, reason="torch_xla is not installed"
@@ -45,7 +46,7 @@ def _run_replicas(replicas: int, out: Path, *extra: str) -> Path:
             [sys.executable, harness_path, "--replicas", str(replicas), "--out", str(out), *extra],
             capture_output=True,
             text=True,
-            timeout=RUN_TIMEOUT_S,
+            timeout=scaled(RUN_TIMEOUT_S),
             env=env,
         )
         late = "Termination timeout for" in result.stderr and "arrived on time" in result.stderr
