@@ -27,7 +27,7 @@ loop, a decay, clipping and averages (``make_tf_train_checkpoint.py --loop``),
 continues with the same flags::
 
     python scripts/convert_tf_checkpoint.py tests/fixtures/tf_train_loop/adam converted.pt --ema 0.99
-    python scripts/train.py --resume converted.pt --steps 5 --decay cosine --warmup-steps 3 \
+    python scripts/train.py --resume converted.pt --steps 5 --decay cosine --warmup-steps 7 \
         --decay-steps 8 --clip-norm 0.5 --ema 0.99
 """
 

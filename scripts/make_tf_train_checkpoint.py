@@ -79,9 +79,11 @@ TRAIN_OPTIMIZERS: dict[str, tuple[str, dict[str, Any]]] = {
         {"learning_rate": 0.5, "l1_regularization_strength": 0.001},
     ),
 }
-# --loop: train.py's flags of the loop. The clip norm is below the gradients' global norm
-# at every step of the fixture, so that the clipping scales them.
-LOOP = {"warmup_steps": 3, "decay_steps": 8, "clip_norm": 0.5, "ema": 0.99}
+# --loop: train.py's flags of the loop. The steps after the checkpoint (global steps K..K+M-1)
+# see all three parts of the learning rate: the warm-up (< 7), the cosine (7, 8) and its floor
+# past decay_steps. The clip norm is below the gradients' global norm at every step of the
+# fixture, so that the clipping scales them.
+LOOP = {"warmup_steps": 7, "decay_steps": 8, "clip_norm": 0.5, "ema": 0.99}
 LOOP_OPTIMIZERS = ["adam", "momentum"]
 
 
