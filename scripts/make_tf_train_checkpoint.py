@@ -39,6 +39,11 @@ are Momentum and Adam::
 of step ``K`` (one ``save_tf_checkpoint`` wrote of a torch run) instead of
 initialising, and trains steps ``K+1 .. K+M``; ``reference.npz`` holds the
 same entries.
+
+``--dtype float64`` builds the graph in float64 (the features are cast; the
+learning rate stays TF's float32 decay, cast by the optimizers). train.py
+trains in float32 only: tests/test_tf_train_loop.py runs its loop in float64
+through the library's API.
 """
 
 from __future__ import annotations
@@ -118,13 +123,14 @@ def run_case(
     seed: int,
     loop: dict[str, Any] | None = None,
     restore: Path | None = None,
+    dtype: str = "float32",
 ) -> dict[str, Any]:
     cls, kwargs = TRAIN_OPTIMIZERS[name]
     graph = tf.Graph()
     with graph.as_default():
         tf.compat.v1.set_random_seed(seed)
         global_step = tf.compat.v1.train.get_or_create_global_step()
-        features = tf.compat.v1.placeholder(tf.float32, [None, NUM_FEATURES])
+        features = tf.compat.v1.placeholder(dtype, [None, NUM_FEATURES])
         tokens = tf.compat.v1.placeholder(tf.int64, [None])
         labels = tf.compat.v1.placeholder(tf.int64, [None])
         glorot = tf.compat.v1.glorot_uniform_initializer()
@@ -133,6 +139,7 @@ def run_case(
             embeddings = tf.compat.v1.get_variable(
                 "embeddings",
                 [NUM_TOKENS, EMBEDDING_DIM],
+                dtype,
                 initializer=tf.compat.v1.random_normal_initializer(),
             )
         layers = []
@@ -143,8 +150,8 @@ def run_case(
             with tf.compat.v1.variable_scope(scope):
                 layers.append(
                     (
-                        tf.compat.v1.get_variable("kernel", shape, initializer=glorot),
-                        tf.compat.v1.get_variable("bias", shape[1:], initializer=zeros),
+                        tf.compat.v1.get_variable("kernel", shape, dtype, initializer=glorot),
+                        tf.compat.v1.get_variable("bias", shape[1:], dtype, initializer=zeros),
                     )
                 )
         x = tf.concat([features, tf.nn.embedding_lookup(embeddings, tokens)], axis=1)
@@ -178,7 +185,7 @@ def run_case(
             saver.restore(sess, str(restore))
         for k in range(1 if restore is None else K + 1, K + M + 1):
             feed = {
-                features: batches["features"][k - 1],
+                features: batches["features"][k - 1].astype(dtype),
                 tokens: batches["tokens"][k - 1],
                 labels: batches["labels"][k - 1],
             }
@@ -201,6 +208,7 @@ def run_case(
     }
     if loop is not None:
         case["train_py_flags"] = loop_flags(loop)
+        case["dtype"] = dtype
     return case
 
 
@@ -222,6 +230,12 @@ def main() -> None:
         type=Path,
         help=f"start from this checkpoint of step {K} (one optimizer) and train steps {K + 1}..{K + M}",
     )
+    parser.add_argument(
+        "--dtype",
+        choices=["float32", "float64"],
+        default="float32",
+        help="of the variables and features (float64: train.py's loop in float64, as a library user runs it)",
+    )
     args = parser.parse_args()
     with np.load(args.batches) as npz:
         batches = {key: npz[key] for key in npz.files}
@@ -238,7 +252,7 @@ def main() -> None:
     for name in args.optimizer:
         folder = args.out / name
         folder.mkdir(parents=True, exist_ok=True)
-        case = run_case(name, batches, folder, args.seed, loop, args.restore)
+        case = run_case(name, batches, folder, args.seed, loop, args.restore, args.dtype)
         manifest.append({**case, "steps_before": K, "steps_after": M})
     text = json.dumps({"tf_version": tf.__version__, "cases": manifest}, indent=1)
     (args.out / "manifest.json").write_text(text + "\n")
