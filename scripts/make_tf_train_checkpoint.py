@@ -42,7 +42,7 @@ same entries.
 
 ``--dtype float64`` builds the graph in float64 (the features are cast; the
 learning rate stays TF's float32 decay, cast by the optimizers). train.py
-trains in float32 only: tests/test_tf_train_loop.py runs its loop in float64
+trains in float32 only: tests/checkpoint/test_tf_train_loop.py runs its loop in float64
 through the library's API.
 """
 

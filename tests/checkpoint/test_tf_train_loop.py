@@ -28,7 +28,7 @@ from torch.nn import functional as F
 from torchgrad_compat.checkpoint import list_tf_checkpoint, load_tf_checkpoint, save_tf_checkpoint
 from torchgrad_compat.train import ExponentialMovingAverage, clip_by_global_norm_
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 SCRIPTS = ROOT / "scripts"
 FIXTURE = ROOT / "tests" / "fixtures" / "tf_train_loop"
 FIXTURE_64 = ROOT / "tests" / "fixtures" / "tf_train_loop_float64"
