@@ -38,6 +38,8 @@ def _run_replicas(replicas: int, out: Path, *extra: str) -> Path:
     starts from scratch, so it shows the same numbers or fails the same way.
     """
     env = {k: v for k, v in os.environ.items() if not k.startswith(("XLA_", "PJRT_", "CPU_NUM_DEVICES"))}
+    # (The harness imports the shared helpers in tests/, as the tests do through pytest's pythonpath.)
+    env["PYTHONPATH"] = os.pathsep.join([str(Path(__file__).parents[1]), env.get("PYTHONPATH", "")])
     harness_path = str(Path(__file__).with_name("_xla_replicas.py"))
     attempts = 0
     while True:
