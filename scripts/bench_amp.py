@@ -51,8 +51,8 @@ import torch
 from torch import Tensor
 
 from torchgrad_compat.amp import LossScaleOptimizer
-from torchgrad_compat.optim._fused.run import run_fused
 from torchgrad_compat.optim.adam import AdamOptimizer
+from torchgrad_compat.optim.wrapper import fused_update
 
 SCALE = 2.0**15
 # name -> (number of tensors, elements per tensor)
@@ -201,7 +201,7 @@ def time_checks(grads: list[Tensor], args: argparse.Namespace) -> list[tuple[str
     def read_only() -> None:
         total.zero_()
         with torch.no_grad():
-            run_fused(_non_finite_sum, None, grads, grads, total=total)
+            fused_update(_non_finite_sum, grads, grads, total=total)
 
     variants: list[tuple[str, Callable[[], object]]] = [
         (
