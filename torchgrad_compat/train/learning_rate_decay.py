@@ -84,7 +84,8 @@ class LearningRateDecay:
                 f"{self.name} was made with global_step=None, so it has no step to read: pass a "
                 "0-d integer tensor as global_step, or drive it with DecayLR or .at(step)"
             )
-        return torch.tensor(self.at(int(self.global_step)), dtype=torch.float32)
+        # (scalar_tensor: torch.tensor's inference from a Python object takes twice as long)
+        return torch.scalar_tensor(self.at(int(self.global_step)), dtype=torch.float32)
 
     def at(self, step: int) -> float:
         """TF's float32 learning rate at ``step`` (an int ≥ 0), as a Python float."""
