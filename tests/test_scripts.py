@@ -270,3 +270,22 @@ def test_decay_bench_smoke() -> None:
     ], result.stdout
     assert [cost == "—" for _, cost, _, _ in steps] == [True, False, False, True, False], result.stdout
     assert all(float(alone) > 0 for _, _, alone, _ in steps if alone != "—"), result.stdout
+
+
+def test_ema_bench_smoke() -> None:
+    """scripts/bench_ema.py --no-fused (whose first update would compile a kernel): a row with our
+    foreach and loop updates, AveragedModel, the bare lerp and the floor, and their ratios."""
+    script = TRAIN.with_name("bench_ema.py")
+    args = ["--workload", "1M", "--warmup", "1", "--repeats", "2", "--threads", "1", "--no-fused"]
+    result = subprocess.run(
+        [sys.executable, str(script), *args],
+        capture_output=True,
+        text=True,
+        timeout=scaled(120),
+        check=False,
+    )
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    cell = r"[\d.]+ \(\d+%\)"
+    row = rf"^\| 1M \| — \| {cell} \| {cell} \| {cell} \| {cell} \| {cell} \| — \| \*{{0,2}}[\d.]+x\*{{0,2}} "
+    row += r"\| — \| — \|$"
+    assert re.search(row, result.stdout, re.M), result.stdout
