@@ -1,7 +1,7 @@
 """Time the learning-rate decays of ``torchgrad_compat.train`` beside torch's schedulers.
 
     python scripts/bench_decay.py --quick
-    python scripts/bench_decay.py --repeats 50 --threads 1 --clock cpu
+    python scripts/bench_decay.py --repeats 100 --inner 200 --threads 1 --clock cpu
 
 Two tables, from the same run.
 
@@ -224,15 +224,17 @@ def train_table(optimizers: list[str], alone: list[float], args: argparse.Namesp
     per_step = [[ms * 1e3 for ms in samples] for samples in timings.samples]
     rows = []
     n = len(TRAIN_ROWS)
+    labels = [
+        row if row != "torch scheduler" else f"torch {PAIRS[args.train_decay].scheduler}"
+        for row in TRAIN_ROWS
+    ]
     for i, name in enumerate(optimizers):
         samples = per_step[n * i : n * i + n]
         medians = [statistics.median(s) for s in samples]
         # Each row's own baseline: the constant-rate step of the same style.
         baselines = [None, medians[0], medians[0], None, medians[3]]
         own = [None, alone[0], alone[1], None, alone[2]]
-        scheduler = PAIRS[args.train_decay].scheduler
-        for row, times, median, base, cost in zip(TRAIN_ROWS, samples, medians, baselines, own):
-            label = row if row != "torch scheduler" else f"torch {scheduler}"
+        for label, times, median, base, cost in zip(labels, samples, medians, baselines, own):
             rows.append(
                 [
                     name,
