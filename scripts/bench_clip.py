@@ -23,9 +23,8 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import time
-from collections.abc import Callable
 
+import _bench
 import torch
 from torch import Tensor
 
@@ -58,26 +57,8 @@ def copies(params: list[Tensor]) -> list[Tensor]:
     return out
 
 
-def time_calls(calls: list[Callable[[], object]], warmup: int, repeats: int) -> list[list[float]]:
-    """Milliseconds of each call of each ``calls[i]`` after ``warmup``, calling them in turn every repeat."""
-    times: list[list[float]] = [[] for _ in calls]
-    for repeat in range(warmup + repeats):
-        for call, samples in zip(calls, times, strict=True):
-            start = time.perf_counter()
-            call()
-            elapsed = (time.perf_counter() - start) * 1e3
-            if repeat >= warmup:
-                samples.append(elapsed)
-    return times
-
-
-def spread(samples: list[float]) -> float:
-    """Interquartile range over the median."""
-    q1, _, q3 = statistics.quantiles(samples, n=4)
-    return (q3 - q1) / statistics.median(samples)
-
-
-def bench(workload: str, args: argparse.Namespace) -> str:
+def bench(workload: str, args: argparse.Namespace) -> list[str]:
+    """The table's row for ``workload``."""
     params = make_params(workload, args.seed)
     ours_params, torch_params = copies(params), copies(params)
     ours_grads = [p.grad for p in ours_params]
@@ -92,53 +73,53 @@ def bench(workload: str, args: argparse.Namespace) -> str:
         lambda: torch.nn.utils.get_total_norm(torch_grads, foreach=True),
         lambda: dst.copy_(src),
     ]
-    times = time_calls(calls, args.warmup, args.repeats)
+    times = _bench.time_calls(calls, args.warmup, args.repeats).samples
     ours, theirs, ours_norm, their_norm, floor = (statistics.median(t) for t in times)
-    ratio = ours / theirs
-    mark = f"**{ratio:.2f}x**" if ratio > TARGET else f"{ratio:.2f}x"
     count, size = WORKLOADS[workload]
-    return (
-        f"| {workload} ({count} x {size:,}) | {ours:.2f} ({spread(times[0]):.0%}) "
-        f"| {theirs:.2f} ({spread(times[1]):.0%}) | {mark} | {ours_norm:.2f} | {their_norm:.2f} "
-        f"| {ours_norm / their_norm:.2f}x | {floor:.2f} | {floor / min(ours, theirs):.0%} |"
-    )
+    return [
+        f"{workload} ({count} x {size:,})",
+        f"{ours:.2f} ({_bench.spread(times[0]):.0%})",
+        f"{theirs:.2f} ({_bench.spread(times[1]):.0%})",
+        _bench.ratio_cell(ours, theirs, TARGET),
+        f"{ours_norm:.2f}",
+        f"{their_norm:.2f}",
+        _bench.ratio_cell(ours_norm, their_norm),
+        f"{floor:.2f}",
+        f"{floor / min(ours, theirs):.0%}",
+    ]
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--workload", nargs="+", choices=list(WORKLOADS), default=list(WORKLOADS))
-    parser.add_argument("--repeats", type=int, default=30, help="timed calls of each")
-    parser.add_argument("--warmup", type=int, default=5, help="untimed calls first")
-    parser.add_argument("--quick", action="store_true", help="3 warm-up and 10 timed calls")
-    parser.add_argument("--threads", type=int, default=None, help="torch.set_num_threads")
+    _bench.add_timing_args(parser, "calls of each", clock=False)
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
-    if args.quick:
-        args.warmup, args.repeats = 3, 10
-    if args.repeats < 2 or args.warmup < 0:
-        parser.error(f"--repeats must be >= 2 and --warmup >= 0, got {args.repeats} and {args.warmup}")
-    if args.threads is not None and args.threads < 1:
-        parser.error(f"--threads must be >= 1, got {args.threads}")
+    _bench.check_timing_args(parser, args)
     return args
 
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
-    if args.threads is not None:
-        torch.set_num_threads(args.threads)
+    _bench.set_threads(args)
     print(
         f"\nfloat32 gradients on the CPU ({torch.get_num_threads()} threads), torch {torch.__version__}: "
         f"median ms per call over {args.repeats} calls after {args.warmup} warm-up calls (spread: "
         f"interquartile range / median). Ratio = ours / torch; bold: above {TARGET}x. Floor: one "
         "copy_ of the bytes clipping moves; floor %: floor / the faster clip.\n"
     )
-    print(
-        "| workload | ours clip_by_global_norm_ (spread) | torch clip_grad_norm_ foreach (spread) | ratio "
-        "| ours global_norm | torch get_total_norm | norm ratio | copy floor | floor % |"
-    )
-    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|")
-    for workload in args.workload:
-        print(bench(workload, args))
+    header = [
+        "workload",
+        "ours clip_by_global_norm_ (spread)",
+        "torch clip_grad_norm_ foreach (spread)",
+        "ratio",
+        "ours global_norm",
+        "torch get_total_norm",
+        "norm ratio",
+        "copy floor",
+        "floor %",
+    ]
+    print(_bench.markdown_table(header, [bench(workload, args) for workload in args.workload]))
 
 
 if __name__ == "__main__":

@@ -32,9 +32,9 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import time
 from collections.abc import Callable
 
+import _bench
 import torch
 from torch import Tensor
 from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
@@ -55,11 +55,15 @@ def make_params(workload: str, seed: int) -> list[Tensor]:
     return [torch.randn(size, generator=gen) for _ in range(count)]
 
 
-def updates(params: list[Tensor]) -> list[Callable[[], object]]:
-    """The six timed calls, in NAMES' order, each over its own averages of ``params``."""
+def updates(params: list[Tensor], fused: bool) -> dict[str, Callable[[], object]]:
+    """The timed calls by their NAMES, each over its own averages of ``params``; "ours fused" only
+    with ``fused``."""
     named = {f"p{i}": p for i, p in enumerate(params)}
-    fused = ExponentialMovingAverage(DECAY, fused=True)
-    fused.apply(named)  # (compiles the kernel, or loads it from Inductor's cache)
+    calls: dict[str, Callable[[], object]] = {}
+    if fused:
+        fused_ema = ExponentialMovingAverage(DECAY, fused=True)
+        fused_ema.apply(named)  # (compiles the kernel, or loads it from Inductor's cache)
+        calls["ours fused"] = lambda: fused_ema.apply(params)
     ours = ExponentialMovingAverage(DECAY)
     ours.apply(named)
     loop = ExponentialMovingAverage(DECAY, foreach=False)
@@ -70,87 +74,55 @@ def updates(params: list[Tensor]) -> list[Callable[[], object]]:
     shadows = [p.clone() for p in params]
     src = torch.empty(sum(p.numel() for p in params) * 3 // 2).normal_()
     dst = torch.empty_like(src)
-    return [
-        lambda: fused.apply(params),
-        lambda: ours.apply(params),
-        lambda: loop.apply(params),
-        lambda: averaged.update_parameters(module),
-        lambda: torch._foreach_lerp_(shadows, params, 1 - DECAY),
-        lambda: dst.copy_(src),
-    ]
+    calls["ours foreach"] = lambda: ours.apply(params)
+    calls["ours loop"] = lambda: loop.apply(params)
+    calls["AveragedModel"] = lambda: averaged.update_parameters(module)
+    calls["_foreach_lerp_"] = lambda: torch._foreach_lerp_(shadows, params, 1 - DECAY)
+    calls["copy floor"] = lambda: dst.copy_(src)
+    return calls
 
 
-def time_calls(
-    calls: list[Callable[[], object]], warmup: int, repeats: int, clock: Callable[[], float]
-) -> list[list[float]]:
-    """Milliseconds of each call of each ``calls[i]`` after ``warmup``, calling them in turn every repeat."""
-    times: list[list[float]] = [[] for _ in calls]
-    for repeat in range(warmup + repeats):
-        for call, samples in zip(calls, times, strict=True):
-            start = clock()
-            call()
-            elapsed = (clock() - start) * 1e3
-            if repeat >= warmup:
-                samples.append(elapsed)
-    return times
-
-
-def spread(samples: list[float]) -> float:
-    """Interquartile range over the median."""
-    q1, _, q3 = statistics.quantiles(samples, n=4)
-    return (q3 - q1) / statistics.median(samples)
-
-
-def format_table(rows: list[tuple[str, list[list[float]]]]) -> str:
-    lines = [
-        "| workload | " + " | ".join(f"{n} (spread)" for n in NAMES) + " | ours fused / AveragedModel "
-        "| ours foreach / AveragedModel | ours fused / _foreach_lerp_ | floor % of ours fused |",
-        "|---|" + "---:|" * (len(NAMES) + 4),
-    ]
+def format_table(rows: list[tuple[str, dict[str, list[float]]]]) -> str:
+    """A row per workload from the times of each call by name; "—" where "ours fused" was not timed."""
+    header = ["workload", *(f"{n} (spread)" for n in NAMES), "ours fused / AveragedModel"]
+    header += ["ours foreach / AveragedModel", "ours fused / _foreach_lerp_", "floor % of ours fused"]
+    lines = []
     for workload, times in rows:
-        medians = [statistics.median(t) for t in times]
-        cells = [f"{m:.2f} ({spread(t):.0%})" for m, t in zip(medians, times, strict=True)]
-        fused, foreach, averaged, lerp, floor = (medians[i] for i in (0, 1, 3, 4, 5))
-        ratios = []
-        for ours in (fused, foreach):
-            ratio = f"{ours / averaged:.2f}x"
-            ratios.append(f"**{ratio}**" if ours / averaged > TARGET else ratio)
-        lines.append(
-            f"| {workload} | "
-            + " | ".join(cells)
-            + f" | {' | '.join(ratios)} | {fused / lerp:.2f}x | {floor / fused:.0%} |"
-        )
-    return "\n".join(lines)
+        medians = {name: statistics.median(t) for name, t in times.items()}
+        cells = [f"{medians[n]:.2f} ({_bench.spread(times[n]):.0%})" if n in times else "—" for n in NAMES]
+        fused = medians.get("ours fused")
+        foreach, averaged = medians["ours foreach"], medians["AveragedModel"]
+        lerp, floor = medians["_foreach_lerp_"], medians["copy floor"]
+        ratios = [
+            "—" if ours is None else _bench.ratio_cell(ours, averaged, TARGET) for ours in (fused, foreach)
+        ]
+        ratios += ["—", "—"] if fused is None else [f"{fused / lerp:.2f}x", f"{floor / fused:.0%}"]
+        lines.append([workload, *cells, *ratios])
+    return _bench.markdown_table(header, lines)
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--workload", nargs="+", choices=list(WORKLOADS), default=list(WORKLOADS))
-    parser.add_argument("--repeats", type=int, default=30, help="timed updates of each")
-    parser.add_argument("--warmup", type=int, default=5, help="untimed updates first")
-    parser.add_argument("--quick", action="store_true", help="3 warm-up and 10 timed updates")
-    parser.add_argument("--threads", type=int, default=None, help="torch.set_num_threads")
-    parser.add_argument("--clock", choices=["wall", "cpu"], default="wall", help="what is timed")
+    _bench.add_timing_args(parser, "updates of each")
+    parser.add_argument(
+        "--no-fused", action="store_true", help="leave out ours fused (its first update compiles a kernel)"
+    )
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
-    if args.quick:
-        args.warmup, args.repeats = 3, 10
-    if args.repeats < 2 or args.warmup < 0:
-        parser.error(f"--repeats must be >= 2 and --warmup >= 0, got {args.repeats} and {args.warmup}")
-    if args.threads is not None and args.threads < 1:
-        parser.error(f"--threads must be >= 1, got {args.threads}")
+    _bench.check_timing_args(parser, args)
     return args
 
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
-    if args.threads is not None:
-        torch.set_num_threads(args.threads)
+    _bench.set_threads(args)
     rows = []
     for workload in args.workload:
         params = make_params(workload, args.seed)
-        clock = time.perf_counter if args.clock == "wall" else time.process_time
-        rows.append((workload, time_calls(updates(params), args.warmup, args.repeats, clock)))
+        calls = updates(params, fused=not args.no_fused)
+        times = _bench.time_calls(list(calls.values()), args.warmup, args.repeats, _bench.CLOCKS[args.clock])
+        rows.append((workload, dict(zip(calls, times.samples, strict=True))))
     count_size = ", ".join(
         f"{w}: {c} tensors of {s:,}" for w, (c, s) in WORKLOADS.items() if w in args.workload
     )

@@ -36,10 +36,10 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
+import _bench
 import torch
 from torch import Tensor
 
@@ -198,34 +198,6 @@ def make_optimizer(
     return factory(copies, foreach)
 
 
-def time_steps(
-    steps: list[Callable[[], object]], warmup: int, repeats: int, device: torch.device
-) -> tuple[list[list[float]], list[float]]:
-    """Milliseconds of each call of each ``steps[i]`` after ``warmup``, calling them in turn every repeat;
-    and the milliseconds of each one's first call."""
-    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
-    times: list[list[float]] = [[] for _ in steps]
-    first: list[float] = []
-    for repeat in range(warmup + repeats):
-        for step, samples in zip(steps, times, strict=True):
-            sync()
-            start = time.perf_counter()
-            step()
-            sync()
-            elapsed = (time.perf_counter() - start) * 1e3
-            if repeat == 0:
-                first.append(elapsed)
-            if repeat >= warmup:
-                samples.append(elapsed)
-    return times, first
-
-
-def spread(samples: list[float]) -> float:
-    """Interquartile range over the median."""
-    q1, _, q3 = statistics.quantiles(samples, n=4)
-    return (q3 - q1) / statistics.median(samples)
-
-
 def floor_copy(case: Case, params: list[Tensor]) -> Callable[[], object]:
     """One copy_ that moves the bytes of one pass of ``case``: it reads and writes ``passes / 2`` tensors."""
     numel = sum(p.numel() for p in params)
@@ -259,7 +231,8 @@ def bench(name: str, params: list[Tensor], grads: list[Tensor], args: argparse.N
 
     steps = [opt.step for opt in optimizers]
     steps += [whole_path_step, ours_fused.step, floor_copy(case, params)]
-    times, first = time_steps(steps, args.warmup, args.repeats, args.device)
+    sync = torch.cuda.synchronize if args.device.type == "cuda" else None
+    times, first = _bench.time_calls(steps, args.warmup, args.repeats, sync=sync)
     medians = [statistics.median(samples) for samples in times]
     ours_loop, ours_foreach, torch_loop, torch_foreach = medians[:4]
     counterpart = case.counterpart if case.equivalent else f"≈ {case.counterpart}"
@@ -275,40 +248,62 @@ def bench(name: str, params: list[Tensor], grads: list[Tensor], args: argparse.N
         fused_first_s=first[-2] / 1e3,
         ours_fused_whole=medians[-3],
         floor=medians[-1],
-        ours_spread=spread(times[1]),
-        torch_spread=spread(times[3]),
+        ours_spread=_bench.spread(times[1]),
+        torch_spread=_bench.spread(times[3]),
     )
 
 
-def format_table(rows: list[Row]) -> str:
-    def ratio(ours: float, theirs: float, flag: bool) -> str:
-        text = f"{ours / theirs:.2f}x"
-        return f"**{text}**" if flag and ours / theirs > TARGET else text
+HEADER = [
+    "optimizer",
+    "torch.optim",
+    "ours loop",
+    "torch loop",
+    "loop ratio",
+    "ours foreach (spread)",
+    "torch foreach (spread)",
+    "foreach ratio",
+    "torch fused",
+    "ours foreach / torch fused",
+    "ours fused (first step)",
+    "ours fused / torch fused",
+    "ours fused, no replay",
+    "replay / no replay",
+    "copy floor",
+    "floor % of ours fused",
+    "floor % of the fastest",
+]
 
-    lines = [
-        "| optimizer | torch.optim | ours loop | torch loop | loop ratio "
-        "| ours foreach (spread) | torch foreach (spread) | foreach ratio | torch fused "
-        "| ours foreach / torch fused | ours fused (first step) | ours fused / torch fused "
-        "| ours fused, no replay | replay / no replay "
-        "| copy floor | floor % of ours fused | floor % of the fastest |",
-        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
-    ]
+
+def format_table(rows: list[Row]) -> str:
+    lines = []
     for r in rows:
         fused = "—" if r.torch_fused is None else f"{r.torch_fused:.2f}"
-        vs_fused = "—" if r.torch_fused is None else ratio(r.ours_foreach, r.torch_fused, flag=False)
-        ours_vs_fused = "—" if r.torch_fused is None else ratio(r.ours_fused, r.torch_fused, flag=False)
+        vs_fused = "—" if r.torch_fused is None else _bench.ratio_cell(r.ours_foreach, r.torch_fused)
+        ours_vs_fused = "—" if r.torch_fused is None else _bench.ratio_cell(r.ours_fused, r.torch_fused)
         candidates = (r.ours_foreach, r.torch_foreach, r.torch_fused, r.ours_fused)
         best = min(t for t in candidates if t is not None)
         lines.append(
-            f"| {r.name} | {r.counterpart} | {r.ours_loop:.2f} | {r.torch_loop:.2f} "
-            f"| {ratio(r.ours_loop, r.torch_loop, flag=False)} | {r.ours_foreach:.2f} ({r.ours_spread:.0%}) "
-            f"| {r.torch_foreach:.2f} ({r.torch_spread:.0%}) "
-            f"| {ratio(r.ours_foreach, r.torch_foreach, flag=True)} | {fused} | {vs_fused} "
-            f"| {r.ours_fused:.2f} ({r.fused_first_s:.1f} s) | {ours_vs_fused} "
-            f"| {r.ours_fused_whole:.2f} | {r.ours_fused / r.ours_fused_whole:.2f}x "
-            f"| {r.floor:.2f} | {r.floor / r.ours_fused:.0%} | {r.floor / best:.0%} |"
+            [
+                r.name,
+                r.counterpart,
+                f"{r.ours_loop:.2f}",
+                f"{r.torch_loop:.2f}",
+                _bench.ratio_cell(r.ours_loop, r.torch_loop),
+                f"{r.ours_foreach:.2f} ({r.ours_spread:.0%})",
+                f"{r.torch_foreach:.2f} ({r.torch_spread:.0%})",
+                _bench.ratio_cell(r.ours_foreach, r.torch_foreach, TARGET),
+                fused,
+                vs_fused,
+                f"{r.ours_fused:.2f} ({r.fused_first_s:.1f} s)",
+                ours_vs_fused,
+                f"{r.ours_fused_whole:.2f}",
+                _bench.ratio_cell(r.ours_fused, r.ours_fused_whole),
+                f"{r.floor:.2f}",
+                f"{r.floor / r.ours_fused:.0%}",
+                f"{r.floor / best:.0%}",
+            ]
         )
-    return "\n".join(lines)
+    return _bench.markdown_table(HEADER, lines, left=2)
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -316,18 +311,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--optimizer", nargs="+", choices=list(CASES), default=list(CASES))
     parser.add_argument("--workload", nargs="+", choices=list(WORKLOADS), default=DEFAULT_WORKLOADS)
     parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
-    parser.add_argument("--repeats", type=int, default=30, help="timed steps per optimizer")
-    parser.add_argument("--warmup", type=int, default=5, help="untimed steps first")
-    parser.add_argument("--quick", action="store_true", help="3 warm-up and 10 timed steps")
-    parser.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (CPU)")
+    _bench.add_timing_args(
+        parser, "steps per optimizer", clock=False, threads_help="torch.set_num_threads (CPU)"
+    )
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
-    if args.quick:
-        args.warmup, args.repeats = 3, 10
-    if args.repeats < 1 or args.warmup < 0:
-        parser.error(f"--repeats must be >= 1 and --warmup >= 0, got {args.repeats} and {args.warmup}")
-    if args.threads is not None and args.threads < 1:
-        parser.error(f"--threads must be >= 1, got {args.threads}")
+    _bench.check_timing_args(parser, args, min_repeats=1)
     if args.device == "cuda" and not torch.cuda.is_available():
         parser.error("--device cuda was requested but torch.cuda.is_available() is False")
     args.device = torch.device(args.device)
@@ -336,8 +325,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
-    if args.threads is not None:
-        torch.set_num_threads(args.threads)
+    _bench.set_threads(args)
     where = (
         torch.cuda.get_device_name() if args.device.type == "cuda" else f"{torch.get_num_threads()} threads"
     )

@@ -235,3 +235,57 @@ def test_clip_bench_smoke() -> None:
     row = rf"^\| 1M \(100 x 10,000\) \| {number} \(\d+%\) \| {number} \(\d+%\) \| {ratio} \| {number} "
     row += rf"\| {number} \| {ratio} \| {number} \| \d+% \|$"
     assert re.search(row, result.stdout, re.M), result.stdout
+
+
+def test_decay_bench_smoke() -> None:
+    """scripts/bench_decay.py: a row per decay with DecayLR, torch's scheduler, the callable and
+    ``at``; a training-step row per learning-rate style with the decay's cost."""
+    script = TRAIN.with_name("bench_decay.py")
+    args = ["--quick", "--inner", "5", "--decay", "exponential", "--train-decay", "cosine"]
+    args += ["--optimizer", "GradientDescentOptimizer", "--threads", "1", "--clock", "cpu"]
+    result = subprocess.run(
+        [sys.executable, str(script), *args],
+        capture_output=True,
+        text=True,
+        timeout=scaled(120),
+        check=False,
+    )
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    cell = r"[\d.]+ \(\d+%\)"
+    decays = re.findall(
+        rf"^\| (\w+) \| (\w+) \| {cell} \| {cell} \| [+-][\d.]+ \| [\d.]+x \| {cell} \| {cell} \|$",
+        result.stdout,
+        re.M,
+    )
+    assert decays == [("exponential", "ExponentialLR"), ("cosine", "CosineAnnealingLR")], result.stdout
+    row = r"^\| GradientDescentOptimizer \| ([^|]+) \| \d+ \(\d+%\) "
+    row += r"\| (—|[+-]\d+) \| (—|[\d.]+) \| (—|[\d.]+%) \|$"
+    steps = re.findall(row, result.stdout, re.M)
+    assert [name for name, *_ in steps] == [
+        "constant lr",
+        "DecayLR",
+        "torch CosineAnnealingLR",
+        "constant lr, TF style",
+        "decay callable, TF style",
+    ], result.stdout
+    assert [cost == "—" for _, cost, _, _ in steps] == [True, False, False, True, False], result.stdout
+    assert all(float(alone) > 0 for _, _, alone, _ in steps if alone != "—"), result.stdout
+
+
+def test_ema_bench_smoke() -> None:
+    """scripts/bench_ema.py --no-fused (whose first update would compile a kernel): a row with our
+    foreach and loop updates, AveragedModel, the bare lerp and the floor, and their ratios."""
+    script = TRAIN.with_name("bench_ema.py")
+    args = ["--workload", "1M", "--warmup", "1", "--repeats", "2", "--threads", "1", "--no-fused"]
+    result = subprocess.run(
+        [sys.executable, str(script), *args],
+        capture_output=True,
+        text=True,
+        timeout=scaled(120),
+        check=False,
+    )
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    cell = r"[\d.]+ \(\d+%\)"
+    row = rf"^\| 1M \| — \| {cell} \| {cell} \| {cell} \| {cell} \| {cell} \| — \| \*{{0,2}}[\d.]+x\*{{0,2}} "
+    row += r"\| — \| — \|$"
+    assert re.search(row, result.stdout, re.M), result.stdout

@@ -84,7 +84,8 @@ class LearningRateDecay:
                 f"{self.name} was made with global_step=None, so it has no step to read: pass a "
                 "0-d integer tensor as global_step, or drive it with DecayLR or .at(step)"
             )
-        return torch.tensor(self.at(int(self.global_step)), dtype=torch.float32)
+        # (scalar_tensor: torch.tensor's inference from a Python object takes twice as long)
+        return torch.scalar_tensor(self.at(int(self.global_step)), dtype=torch.float32)
 
     def at(self, step: int) -> float:
         """TF's float32 learning rate at ``step`` (an int ≥ 0), as a Python float."""
@@ -122,7 +123,7 @@ def exponential_decay(
         ValueError: an argument out of range, naming it and the value.
         TypeError: an argument of another type.
     """
-    _check_common(learning_rate, global_step, decay_steps, "decay_steps")
+    learning_rate = _check_common(learning_rate, global_step, decay_steps, "decay_steps")
     rate = _checked("decay_rate", decay_rate, 0.0)
     _check_bool("staircase", staircase)
     rule = functools.partial(_exponential, learning_rate, f.f32(decay_steps), f.f32(rate), staircase)
@@ -143,7 +144,7 @@ def natural_exp_decay(
     (in float32), so this does too: ``staircase`` floors the exponent's
     ``global_step / decay_steps``. Arguments as :func:`exponential_decay`.
     """
-    _check_common(learning_rate, global_step, decay_steps, "decay_steps")
+    learning_rate = _check_common(learning_rate, global_step, decay_steps, "decay_steps")
     rate = _checked("decay_rate", decay_rate, 0.0)
     _check_bool("staircase", staircase)
     natural_rate = f.exp(-f.f32(rate))
@@ -152,7 +153,7 @@ def natural_exp_decay(
 
 
 def _exponential(
-    learning_rate: Number | Tensor, decay_steps: float, rate: float, staircase: bool, step: int
+    learning_rate: float | Tensor, decay_steps: float, rate: float, staircase: bool, step: int
 ) -> float:
     p = f.div(f.f32(step), decay_steps)
     if staircase:
@@ -172,7 +173,7 @@ def inverse_time_decay(
 
     ``staircase`` floors ``global_step / decay_steps``. Arguments as :func:`exponential_decay`.
     """
-    _check_common(learning_rate, global_step, decay_steps, "decay_steps")
+    learning_rate = _check_common(learning_rate, global_step, decay_steps, "decay_steps")
     rate = _checked("decay_rate", decay_rate, 0.0)
     _check_bool("staircase", staircase)
     rule = functools.partial(_inverse_time, learning_rate, f.f32(decay_steps), f.f32(rate), staircase)
@@ -180,7 +181,7 @@ def inverse_time_decay(
 
 
 def _inverse_time(
-    learning_rate: Number | Tensor, decay_steps: float, rate: float, staircase: bool, step: int
+    learning_rate: float | Tensor, decay_steps: float, rate: float, staircase: bool, step: int
 ) -> float:
     p = f.div(f.f32(step), decay_steps)
     if staircase:
@@ -213,7 +214,7 @@ def polynomial_decay(
         cycle: restart after ``decay_steps``.
         Others as :func:`exponential_decay`.
     """
-    _check_common(learning_rate, global_step, decay_steps, "decay_steps")
+    learning_rate = _check_common(learning_rate, global_step, decay_steps, "decay_steps")
     end = _checked("end_learning_rate", end_learning_rate, 0.0)
     power = _checked("power", power, 0.0)
     _check_bool("cycle", cycle)
@@ -222,7 +223,7 @@ def polynomial_decay(
 
 
 def _polynomial(
-    learning_rate: Number | Tensor, decay_steps: float, end: float, power: float, cycle: bool, step: int
+    learning_rate: float | Tensor, decay_steps: float, end: float, power: float, cycle: bool, step: int
 ) -> float:
     s = f.f32(step)
     if cycle:
@@ -299,14 +300,14 @@ def cosine_decay(
         alpha: the final learning rate as a fraction of ``learning_rate``, in [0, 1].
         Others as :func:`exponential_decay`.
     """
-    _check_common(learning_rate, global_step, decay_steps, "decay_steps")
+    learning_rate = _check_common(learning_rate, global_step, decay_steps, "decay_steps")
     alpha = _checked("alpha", alpha, 0.0, 1.0, high_inclusive=True)
     rule = functools.partial(_cosine, learning_rate, f.f32(decay_steps), f.f32(1 - alpha), f.f32(alpha))
     return LearningRateDecay(rule, global_step, "CosineDecay")
 
 
 def _cosine(
-    learning_rate: Number | Tensor, decay_steps: float, one_minus_alpha: float, alpha: float, step: int
+    learning_rate: float | Tensor, decay_steps: float, one_minus_alpha: float, alpha: float, step: int
 ) -> float:
     s = f.minimum(f.f32(step), decay_steps)
     cosine = _half_cosine(f.div(s, decay_steps))
@@ -345,7 +346,7 @@ def cosine_decay_restarts(
         alpha: in [0, 1].
         Others as :func:`exponential_decay`.
     """
-    _check_common(learning_rate, global_step, first_decay_steps, "first_decay_steps")
+    learning_rate = _check_common(learning_rate, global_step, first_decay_steps, "first_decay_steps")
     t_mul = _checked("t_mul", t_mul, 0.0, low_inclusive=False)
     m_mul = _checked("m_mul", m_mul, 0.0)
     alpha = _checked("alpha", alpha, 0.0, 1.0, high_inclusive=True)
@@ -356,7 +357,7 @@ def cosine_decay_restarts(
 
 
 def _cosine_restarts(
-    learning_rate: Number | Tensor,
+    learning_rate: float | Tensor,
     first_decay_steps: float,
     t_mul: float,
     m_mul: float,
@@ -400,7 +401,7 @@ def linear_cosine_decay(
         beta: ≥ 0.
         Others as :func:`exponential_decay`.
     """
-    _check_common(learning_rate, global_step, decay_steps, "decay_steps")
+    learning_rate = _check_common(learning_rate, global_step, decay_steps, "decay_steps")
     hypers = _linear_cosine_hypers(num_periods, alpha, beta)
     rule = functools.partial(_linear_cosine, learning_rate, f.f32(decay_steps), *hypers)
     return LearningRateDecay(rule, global_step, "LinearCosineDecay")
@@ -415,7 +416,7 @@ def _linear_cosine_hypers(num_periods: Number, alpha: Number, beta: Number) -> t
 
 
 def _linear_cosine(
-    learning_rate: Number | Tensor,
+    learning_rate: float | Tensor,
     decay_steps: float,
     two_periods: float,
     alpha: float,
@@ -467,7 +468,7 @@ def noisy_linear_cosine_decay(
         seed: None, or an int ≥ 0 that makes the noise a function of the step.
         Others as :func:`linear_cosine_decay`.
     """
-    _check_common(learning_rate, global_step, decay_steps, "decay_steps")
+    learning_rate = _check_common(learning_rate, global_step, decay_steps, "decay_steps")
     variance = _checked("initial_variance", initial_variance, 0.0)
     variance_decay = _checked("variance_decay", variance_decay, 0.0)
     hypers = _linear_cosine_hypers(num_periods, alpha, beta)
@@ -488,7 +489,7 @@ def noisy_linear_cosine_decay(
 
 
 def _noisy_linear_cosine(
-    learning_rate: Number | Tensor,
+    learning_rate: float | Tensor,
     decay_steps: float,
     initial_variance: float,
     variance_decay: float,
@@ -546,6 +547,7 @@ def linear_warmup(
         TypeError: ``decayed`` is not a :class:`LearningRateDecay`.
     """
     _learning_rate_checked("learning_rate", learning_rate)
+    learning_rate = _rounded(learning_rate)
     if not isinstance(decayed, LearningRateDecay):
         raise TypeError(
             f"decayed must be a LearningRateDecay (from a decay function), got {type(decayed).__name__}"
@@ -560,7 +562,7 @@ def linear_warmup(
 
 
 def _warmup(
-    learning_rate: Number | Tensor,
+    learning_rate: float | Tensor,
     warmup_steps: float,
     num_warmup_steps: int,
     decayed: LearningRateDecay,
@@ -571,15 +573,22 @@ def _warmup(
     return decayed.at(step)
 
 
-def _learning_rate(value: Number | Tensor) -> float:
+def _rounded(value: Number | Tensor) -> float | Tensor:
+    """A learning rate as a decay keeps it: a number rounded to float32 once, a tensor as it is."""
+    return value if isinstance(value, Tensor) else f.f32(float(value))
+
+
+def _learning_rate(value: float | Tensor) -> float:
     """The learning rate in float32; a tensor is read now (TF reads it at every evaluation)."""
-    return f.f32(float(value))
+    return f.f32(float(value)) if isinstance(value, Tensor) else value
 
 
-def _check_common(learning_rate: Any, global_step: Any, decay_steps: Any, steps_arg: str) -> None:
+def _check_common(learning_rate: Any, global_step: Any, decay_steps: Any, steps_arg: str) -> float | Tensor:
+    """Check the arguments every decay takes; return the learning rate as the decay keeps it."""
     _learning_rate_checked("learning_rate", learning_rate)
     _check_global_step(global_step)
     _checked(steps_arg, decay_steps, 0.0, low_inclusive=False)
+    return _rounded(learning_rate)
 
 
 def _learning_rate_checked(arg: str, value: Any) -> float:
