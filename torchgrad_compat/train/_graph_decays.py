@@ -29,6 +29,7 @@ learning rate a Python number).
 from __future__ import annotations
 
 import math
+
 from . import _float32 as f
 
 _PI = f.f32(math.pi)
