@@ -611,6 +611,43 @@ def test_a_bad_seed_is_refused(kwargs, exc, match):
         train.noisy_linear_cosine_decay(0.1, None, 10, **kwargs)
 
 
+# The first arguments of each decay function, for the graph argument's checks.
+GRAPH_ARGS = {
+    name: (0.1, None, 10, 0.5) if "exp" in name or "inverse" in name else (0.1, None, 10)
+    for name in DECAY_FUNCTIONS
+}
+GRAPH_ARGS["piecewise_constant"] = (None, [10], [0.1, 0.05])
+
+
+@pytest.mark.parametrize("name", DECAY_FUNCTIONS)
+@pytest.mark.parametrize("graph", [1, None, "yes"])
+def test_a_bad_graph_is_refused(name, graph):
+    with pytest.raises(TypeError, match=f"graph must be a bool, got {type(graph).__name__}"):
+        getattr(train, name)(*GRAPH_ARGS[name], graph=graph)
+
+
+@pytest.mark.parametrize("name", [n for n in DECAY_FUNCTIONS if n != "piecewise_constant"])
+def test_graph_refuses_a_tensor_learning_rate(name):
+    # A graph folds a constant learning rate into the decay's other constants; a tensor read at
+    # each evaluation is a variable there, which Grappler leaves alone: other numbers.
+    lr, *rest = GRAPH_ARGS[name]
+    with pytest.raises(TypeError, match="learning_rate must be a Python number with graph=True"):
+        getattr(train, name)(torch.tensor(lr), *rest, graph=True)
+    assert not getattr(train, name)(torch.tensor(lr), *rest).graph
+
+
+def test_linear_warmup_computes_as_its_decay_does():
+    eager, graph = (train.cosine_decay(0.1, None, 10, graph=g) for g in (False, True))
+    # 0.1 * (6 / 7) and 6 * (0.1 * (1 / 7)): one float32 ulp apart.
+    assert train.linear_warmup(0.1, eager, 7).at(6) == 0.08571428805589676
+    assert train.linear_warmup(0.1, graph, 7).at(6) == 0.08571429550647736
+    assert train.linear_warmup(0.1, graph, 7).graph and "graph=True" in repr(
+        train.linear_warmup(0.1, graph, 7)
+    )
+    with pytest.raises(TypeError, match="learning_rate must be a Python number with graph=True"):
+        train.linear_warmup(torch.tensor(0.1), graph, 7)
+
+
 def test_bad_steps_are_refused_at_evaluation():
     global_step = torch.tensor(-1)
     decay = train.exponential_decay(0.1, global_step, 10, 0.5)
@@ -671,8 +708,9 @@ def test_a_bad_scheduler_changes_nothing(make_decay, group_lr, exc, match):
 @pytest.mark.tf_live
 def test_generator_reproduces_the_fixtures(run_tf_generator) -> None:
     """Rerun real TensorFlow: the committed fixtures are what the generator writes today."""
-    fresh = json.loads((run_tf_generator(GENERATOR) / "decays.json").read_text())
-    assert fresh["cases"] == CASES
+    out = run_tf_generator(GENERATOR)
+    assert json.loads((out / "decays.json").read_text())["cases"] == CASES
+    assert json.loads((out / "decays_graph.json").read_text())["cases"] == GRAPH_CASES
 
 
 _TF_SIGNATURES = """
