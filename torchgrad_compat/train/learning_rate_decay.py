@@ -29,6 +29,9 @@ Differences from TensorFlow:
 3. ``noisy_linear_cosine_decay`` draws its noise from torch, not TF's random op
    (see its docstring); its formula is TF's.
 4. ``name`` is accepted and unused.
+5. ``graph=True`` is a graph whose global step is a variable and whose
+   hyperparameters are constants (the learning rate a Python number); a fed
+   global step, or a learning rate in a variable, gives other numbers there.
 """
 
 from __future__ import annotations
