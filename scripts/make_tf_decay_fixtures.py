@@ -18,10 +18,18 @@ reproduce: its cases either have ``initial_variance=0`` (no noise) or replace
 the standard normal draw by a recorded number per step (``noise``), keeping TF's
 ``rnd * stddev + mean`` and the rest of its arithmetic.
 
-Output, deterministic: ``decays.json``, with ``tf_version`` and ``cases``, each
-with ``id``, ``function``, ``kwargs`` (TF's argument names, the step argument
-left out), ``steps``, ``bits`` (the float32 learning rate at each step, as its
-uint32 bit pattern) and, for injected noise, ``noise`` (float32 bit patterns).
+The same cases, and ``GRAPH_CASES``, also run in a TF1 graph, as a TF1
+training loop runs them: ``get_or_create_global_step()`` (an int64 variable)
+assigned before each ``Session.run`` of the decay's tensor, in a ``Session``
+with the default config, so Grappler rewrites the graph (its constant folding
+turns a division by a constant into a product with its reciprocal, among
+others). The noise there is a fed placeholder in place of TF's random op.
+
+Output, deterministic: ``decays.json`` (eager) and ``decays_graph.json``
+(graph), each with ``tf_version`` and ``cases``, each with ``id``,
+``function``, ``kwargs`` (TF's argument names, the step argument left out),
+``steps``, ``bits`` (the float32 learning rate at each step, as its uint32 bit
+pattern) and, for injected noise, ``noise`` (float32 bit patterns).
 """
 
 from __future__ import annotations
@@ -287,6 +295,12 @@ GRAPH_CASES: tuple[tuple[str, str, dict[str, Any], int], ...] = (
         "noisy_37_nobeta",
         "noisy_linear_cosine_decay",
         {"learning_rate": 0.2, "decay_steps": 37, "initial_variance": 0.5, "beta": 0.0},
+        37,
+    ),
+    (
+        "noisy_37_alpha_nobeta",
+        "noisy_linear_cosine_decay",
+        {"learning_rate": 0.2, "decay_steps": 37, "initial_variance": 0.5, "alpha": 0.1, "beta": 0.0},
         37,
     ),
     (
