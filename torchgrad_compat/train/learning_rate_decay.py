@@ -145,7 +145,7 @@ def exponential_decay(
     _check_common(learning_rate, global_step, decay_steps, "decay_steps", graph)
     rate = _checked("decay_rate", decay_rate, 0.0)
     _check_bool("staircase", staircase)
-    rule = _exponential if not graph else g.exponential
+    rule = g.exponential if graph else _exponential
     rule = functools.partial(rule, _lr(learning_rate, graph), f.f32(decay_steps), f.f32(rate), staircase)
     return LearningRateDecay(rule, global_step, "ExponentialDecay", graph)
 
@@ -170,7 +170,7 @@ def natural_exp_decay(
     rate = _checked("decay_rate", decay_rate, 0.0)
     _check_bool("staircase", staircase)
     natural_rate = f.exp(-f.f32(rate))
-    rule = _exponential if not graph else g.exponential
+    rule = g.exponential if graph else _exponential
     rule = functools.partial(rule, _lr(learning_rate, graph), f.f32(decay_steps), natural_rate, staircase)
     return LearningRateDecay(rule, global_step, "NaturalExpDecay", graph)
 
@@ -201,7 +201,7 @@ def inverse_time_decay(
     _check_common(learning_rate, global_step, decay_steps, "decay_steps", graph)
     rate = _checked("decay_rate", decay_rate, 0.0)
     _check_bool("staircase", staircase)
-    rule = _inverse_time if not graph else g.inverse_time
+    rule = g.inverse_time if graph else _inverse_time
     rule = functools.partial(rule, _lr(learning_rate, graph), f.f32(decay_steps), f.f32(rate), staircase)
     return LearningRateDecay(rule, global_step, "InverseTimeDecay", graph)
 
@@ -246,7 +246,7 @@ def polynomial_decay(
     end = _checked("end_learning_rate", end_learning_rate, 0.0)
     power = _checked("power", power, 0.0)
     _check_bool("cycle", cycle)
-    rule = _polynomial if not graph else g.polynomial
+    rule = g.polynomial if graph else _polynomial
     hypers = f.f32(decay_steps), f.f32(end), f.f32(power), cycle
     rule = functools.partial(rule, _lr(learning_rate, graph), *hypers)
     return LearningRateDecay(rule, global_step, "PolynomialDecay", graph)
@@ -341,7 +341,7 @@ def cosine_decay(
     """
     _check_common(learning_rate, global_step, decay_steps, "decay_steps", graph)
     alpha = _checked("alpha", alpha, 0.0, 1.0, high_inclusive=True)
-    rule = _cosine if not graph else g.cosine
+    rule = g.cosine if graph else _cosine
     hypers = f.f32(decay_steps), f.f32(1 - alpha), f.f32(alpha)
     rule = functools.partial(rule, _lr(learning_rate, graph), *hypers)
     return LearningRateDecay(rule, global_step, "CosineDecay", graph)
@@ -393,7 +393,7 @@ def cosine_decay_restarts(
     t_mul = _checked("t_mul", t_mul, 0.0, low_inclusive=False)
     m_mul = _checked("m_mul", m_mul, 0.0)
     alpha = _checked("alpha", alpha, 0.0, 1.0, high_inclusive=True)
-    rule = _cosine_restarts if not graph else g.cosine_restarts
+    rule = g.cosine_restarts if graph else _cosine_restarts
     hypers = f.f32(first_decay_steps), f.f32(t_mul), f.f32(m_mul), f.f32(alpha)
     rule = functools.partial(rule, _lr(learning_rate, graph), *hypers)
     return LearningRateDecay(rule, global_step, "SGDRDecay", graph)
@@ -528,7 +528,7 @@ def noisy_linear_cosine_decay(
             raise TypeError(f"seed must be None or an int, got {type(seed).__name__}: {seed!r}")
         check_range("seed", seed, 0)
     rule = functools.partial(
-        _noisy_linear_cosine if not graph else _graph_noisy_linear_cosine,
+        _graph_noisy_linear_cosine if graph else _noisy_linear_cosine,
         _lr(learning_rate, graph),
         f.f32(decay_steps),
         f.f32(variance),
