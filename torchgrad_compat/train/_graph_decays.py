@@ -16,7 +16,9 @@ rewrites change the float32 arithmetic (read from the optimized graphs of TF
   the constant ``0.5`` of a cosine or the reciprocal of a linear part), so
   products round in another order;
 - a term that is a constant zero (``alpha``, ``beta``, ``end_learning_rate``)
-  is dropped, which lets the learning rate fold further in;
+  is dropped, which lets the learning rate fold further in (where shapes are
+  known: with the global step fed through a placeholder Grappler keeps ``x +
+  0`` and ``x * 1``, and computes yet other numbers, not reproduced);
 - a constant exponent of 2, 3 or 0.5 becomes ``Square``, ``Square`` times the
   base, ``Sqrt``; an exponent of 0 makes the result a constant.
 
@@ -36,7 +38,8 @@ _PI = f.f32(math.pi)
 
 
 def reciprocal(x: float) -> float:
-    """Grappler's folded ``Reciprocal`` of a constant divisor."""
+    """Grappler's folded ``Reciprocal`` of a constant divisor: correctly rounded, as TF's kernel
+    computes it for a 0-d tensor (for longer tensors its vectorised path is not, e.g. 1/37)."""
     return f.div(1.0, x)
 
 
