@@ -18,10 +18,18 @@ reproduce: its cases either have ``initial_variance=0`` (no noise) or replace
 the standard normal draw by a recorded number per step (``noise``), keeping TF's
 ``rnd * stddev + mean`` and the rest of its arithmetic.
 
-Output, deterministic: ``decays.json``, with ``tf_version`` and ``cases``, each
-with ``id``, ``function``, ``kwargs`` (TF's argument names, the step argument
-left out), ``steps``, ``bits`` (the float32 learning rate at each step, as its
-uint32 bit pattern) and, for injected noise, ``noise`` (float32 bit patterns).
+The same cases, and ``GRAPH_CASES``, also run in a TF1 graph, as a TF1
+training loop runs them: ``get_or_create_global_step()`` (an int64 variable)
+assigned before each ``Session.run`` of the decay's tensor, in a ``Session``
+with the default config, so Grappler rewrites the graph (its constant folding
+turns a division by a constant into a product with its reciprocal, among
+others). The noise there is a fed placeholder in place of TF's random op.
+
+Output, deterministic: ``decays.json`` (eager) and ``decays_graph.json``
+(graph), each with ``tf_version`` and ``cases``, each with ``id``,
+``function``, ``kwargs`` (TF's argument names, the step argument left out),
+``steps``, ``bits`` (the float32 learning rate at each step, as its uint32 bit
+pattern) and, for injected noise, ``noise`` (float32 bit patterns).
 """
 
 from __future__ import annotations
@@ -210,6 +218,99 @@ EXTRA_STEPS = {
 # Standard normal numbers recorded in place of TF's random op, one per step.
 NOISE_SEED = 40
 
+# Graph mode only: the configurations whose graph Grappler rewrites another way (a zero alpha,
+# beta or end rate drops a term and lets the learning rate fold into a constant; a power of 0,
+# 0.5, 2 or 3 becomes other ops), and staircases whose boundary moves: x * (1/41) at x = 41 is
+# just below 1 in float32, so the graph's floor is 0 there (a step late).
+GRAPH_CASES: tuple[tuple[str, str, dict[str, Any], int], ...] = (
+    (
+        "exp_41_stair",
+        "exponential_decay",
+        {"learning_rate": 0.1, "decay_steps": 41, "decay_rate": 0.5, "staircase": True},
+        41,
+    ),
+    (
+        "natexp_41_stair",
+        "natural_exp_decay",
+        {"learning_rate": 0.1, "decay_steps": 41, "decay_rate": 0.5, "staircase": True},
+        41,
+    ),
+    (
+        "inv_41_stair",
+        "inverse_time_decay",
+        {"learning_rate": 0.1, "decay_steps": 41, "decay_rate": 1.0, "staircase": True},
+        41,
+    ),
+    ("inv_41", "inverse_time_decay", {"learning_rate": 0.1, "decay_steps": 41, "decay_rate": 0.3}, 41),
+    (
+        "sgdr_41_tmul1",
+        "cosine_decay_restarts",
+        {"learning_rate": 0.1, "first_decay_steps": 41, "t_mul": 1.0, "m_mul": 0.5},
+        41,
+    ),
+    (
+        "sgdr_37_tmul1.5_alpha",
+        "cosine_decay_restarts",
+        {"learning_rate": 0.2, "first_decay_steps": 37, "t_mul": 1.5, "m_mul": 0.8, "alpha": 0.05},
+        37,
+    ),
+    (
+        "poly_41_pow3",
+        "polynomial_decay",
+        {"learning_rate": 0.1, "decay_steps": 41, "end_learning_rate": 0.001, "power": 3.0},
+        41,
+    ),
+    (
+        "poly_41_pow0",
+        "polynomial_decay",
+        {"learning_rate": 0.1, "decay_steps": 41, "end_learning_rate": 0.001, "power": 0.0},
+        41,
+    ),
+    (
+        "poly_41_sqrt",
+        "polynomial_decay",
+        {"learning_rate": 0.1, "decay_steps": 41, "end_learning_rate": 0.001, "power": 0.5},
+        41,
+    ),
+    (
+        "poly_41_pow1.5_cycle",
+        "polynomial_decay",
+        {"learning_rate": 0.1, "decay_steps": 41, "power": 1.5, "cycle": True},
+        41,
+    ),
+    ("cos_41_lr1", "cosine_decay", {"learning_rate": 1.0, "decay_steps": 41}, 41),
+    (
+        "lincos_37_alpha_nobeta",
+        "linear_cosine_decay",
+        {"learning_rate": 0.3, "decay_steps": 37, "alpha": 0.1, "beta": 0.0},
+        37,
+    ),
+    (
+        "lincos_37_lr1_nobeta",
+        "linear_cosine_decay",
+        {"learning_rate": 1.0, "decay_steps": 37, "num_periods": 1.5, "beta": 0.0},
+        37,
+    ),
+    (
+        "noisy_37_nobeta",
+        "noisy_linear_cosine_decay",
+        {"learning_rate": 0.2, "decay_steps": 37, "initial_variance": 0.5, "beta": 0.0},
+        37,
+    ),
+    (
+        "noisy_37_alpha_nobeta",
+        "noisy_linear_cosine_decay",
+        {"learning_rate": 0.2, "decay_steps": 37, "initial_variance": 0.5, "alpha": 0.1, "beta": 0.0},
+        37,
+    ),
+    (
+        "bert_warmup_7",
+        "bert_warmup",
+        {"init_lr": 0.1, "num_train_steps": 100, "num_warmup_steps": 7},
+        7,
+    ),
+)
+
 
 def steps_for(period: int) -> list[int]:
     """0-11, around the first four multiples of ``period`` and its half, and the large steps."""
@@ -227,7 +328,8 @@ def bert_learning_rate(global_step: tf.Variable, init_lr: float, num_train_steps
     )
 
     def value():
-        decayed = learning_rate()
+        # A callable in eager mode, the tensor itself in a graph.
+        decayed = learning_rate() if callable(learning_rate) else learning_rate
         global_steps_int = tf.cast(global_step, tf.int32)
         warmup_steps_int = tf.constant(num_warmup_steps, dtype=tf.int32)
         global_steps_float = tf.cast(global_steps_int, tf.float32)
@@ -244,6 +346,31 @@ def bits(values: list[np.float32]) -> list[int]:
     return [int(v) for v in np.asarray(values, dtype=np.float32).view(np.uint32)]
 
 
+def noise_for(function: str, kwargs: dict[str, Any], count: int) -> np.ndarray | None:
+    """The recorded standard normal numbers that replace TF's draw, or None where there is no noise."""
+    if function != "noisy_linear_cosine_decay" or kwargs.get("initial_variance", 1.0) == 0:
+        return None
+    return np.random.default_rng(NOISE_SEED).standard_normal(count).astype(np.float32)
+
+
+def case_steps(case_id: str, function: str, period: int) -> list[int]:
+    steps = sorted(set(steps_for(period)) | set(EXTRA_STEPS.get(case_id, ())))
+    if function == "bert_warmup":
+        # BERT casts the step to int32, which wraps past 2**31 - 1 (into its warm-up, negative).
+        steps = [s for s in steps if s < 2**31]
+    return steps
+
+
+def graph_case(case_id: str, function: str, kwargs: dict[str, Any], period: int) -> dict[str, Any]:
+    """A graph-only case: its steps, and its recorded noise as bit patterns."""
+    steps = case_steps(case_id, function, period)
+    case = {"id": case_id, "function": function, "kwargs": kwargs, "steps": steps}
+    noise = noise_for(function, kwargs, len(steps))
+    if noise is not None:
+        case["noise"] = bits(list(noise))
+    return case
+
+
 def run_case(function: str, kwargs: dict[str, Any], steps: list[int]) -> dict[str, Any]:
     global_step = tf.Variable(0, dtype=tf.int64)
     if function == "bert_warmup":
@@ -252,10 +379,7 @@ def run_case(function: str, kwargs: dict[str, Any], steps: list[int]) -> dict[st
         decayed = tf.compat.v1.train.piecewise_constant(global_step, **kwargs)
     else:
         decayed = getattr(tf.compat.v1.train, function)(global_step=global_step, **kwargs)
-    noise = None
-    if function == "noisy_linear_cosine_decay" and kwargs.get("initial_variance", 1.0) != 0:
-        rng = np.random.default_rng(NOISE_SEED)
-        noise = rng.standard_normal(len(steps)).astype(np.float32)
+    noise = noise_for(function, kwargs, len(steps))
     values = []
     real_draw = gen_random_ops.random_standard_normal
     try:
@@ -275,6 +399,37 @@ def run_case(function: str, kwargs: dict[str, Any], steps: list[int]) -> dict[st
     return case
 
 
+def run_graph_case(function: str, kwargs: dict[str, Any], steps: list[int], noise: Any) -> list[int]:
+    """The decay in a TF1 graph run by a ``Session`` with the default config (Grappler on)."""
+    graph = tf.Graph()
+    with graph.as_default():
+        global_step = tf.compat.v1.train.get_or_create_global_step()
+        step_feed = tf.compat.v1.placeholder(tf.int64, [])
+        set_step = global_step.assign(step_feed)
+        # The draw becomes a fed placeholder: like TF's random op, not a constant to Grappler.
+        draw = tf.compat.v1.placeholder(tf.float32, [])
+        real_draw = gen_random_ops.random_standard_normal
+        gen_random_ops.random_standard_normal = lambda shape, dtype, **_: tf.fill(shape, draw)
+        try:
+            if function == "bert_warmup":
+                learning_rate = bert_learning_rate(global_step, **kwargs)()
+            elif function == "piecewise_constant":
+                learning_rate = tf.compat.v1.train.piecewise_constant(global_step, **kwargs)
+            else:
+                learning_rate = getattr(tf.compat.v1.train, function)(global_step=global_step, **kwargs)
+        finally:
+            gen_random_ops.random_standard_normal = real_draw
+        init = tf.compat.v1.global_variables_initializer()
+    config = tf.compat.v1.ConfigProto(intra_op_parallelism_threads=1, inter_op_parallelism_threads=1)
+    values = []
+    with tf.compat.v1.Session(graph=graph, config=config) as sess:
+        sess.run(init)
+        for i, step in enumerate(steps):
+            sess.run(set_step, {step_feed: step})
+            values.append(sess.run(learning_rate, {draw: 0.0 if noise is None else noise[i]}))
+    return bits(values)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument(
@@ -284,15 +439,20 @@ def main() -> None:
     args.out.mkdir(parents=True, exist_ok=True)
     cases = []
     for case_id, function, kwargs, period in CASES:
-        steps = sorted(set(steps_for(period)) | set(EXTRA_STEPS.get(case_id, ())))
-        if function == "bert_warmup":
-            # BERT casts the step to int32, which wraps past 2**31 - 1 (into its warm-up, negative).
-            steps = [s for s in steps if s < 2**31]
-        case = run_case(function, kwargs, steps)
+        case = run_case(function, kwargs, case_steps(case_id, function, period))
         cases.append({"id": case_id, "function": function, "kwargs": kwargs, **case})
     fixture = {"tf_version": tf.__version__, "cases": cases}
     (args.out / "decays.json").write_text(json.dumps(fixture, indent=1) + "\n")
     print(f"wrote {len(cases)} cases to {args.out / 'decays.json'}")
+
+    graph_cases = []
+    for case in cases + [graph_case(*spec) for spec in GRAPH_CASES]:
+        noise = np.asarray(case["noise"], np.uint32).view(np.float32) if "noise" in case else None
+        graph_bits = run_graph_case(case["function"], case["kwargs"], case["steps"], noise)
+        graph_cases.append({**case, "bits": graph_bits})
+    fixture = {"tf_version": tf.__version__, "cases": graph_cases}
+    (args.out / "decays_graph.json").write_text(json.dumps(fixture, indent=1) + "\n")
+    print(f"wrote {len(graph_cases)} cases to {args.out / 'decays_graph.json'}")
 
 
 if __name__ == "__main__":

@@ -22,7 +22,7 @@ the optimizer-wide state and, with ``--loop``, the moving averages).
 ``manifest.json`` lists the cases and the TF version.
 
 ``--loop`` trains the rest of a TF1 training loop too, the one
-``train.py --decay cosine --warmup-steps W --decay-steps D --clip-norm C --ema E``
+``train.py --decay cosine --warmup-steps W --decay-steps D --clip-norm C --ema E --decay-graph``
 runs (``LOOP`` below; the flags are in the manifest): the learning rate is
 BERT's linear warm-up to ``lr`` over ``W`` steps, then ``cosine_decay(lr,
 global_step, D, alpha=0.01)``, read at the global step before the update; the
@@ -105,6 +105,8 @@ def loop_flags(loop: dict[str, Any]) -> list[str]:
         str(loop["clip_norm"]),
         "--ema",
         str(loop["ema"]),
+        # The loop's decay runs in this script's TF1 graph, whose Grappler rewrites it.
+        "--decay-graph",
     ]
 
 

@@ -27,7 +27,9 @@ and print the same numbers:
 
 The rest of a TF1 training loop, from ``torchgrad_compat.train``, with TF's numbers:
 ``--decay`` computes the learning rate from ``global_step`` at every step (with
-``--warmup-steps``, BERT's linear warm-up first); ``--clip-norm`` clips the
+``--warmup-steps``, BERT's linear warm-up first; with ``--decay-graph``, with the
+float32 numbers of a TF1 graph, whose Grappler rewrites round some steps
+differently from eager TF); ``--clip-norm`` clips the
 gradients by their global norm before each update (after the loss scale's
 unscaling, after the cross-replica sum); ``--ema`` keeps an exponential moving
 average of the weights, updated after each step, and reports the held-out accuracy
@@ -250,6 +252,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--warmup-steps", type=int, default=0, help="a linear warm-up from 0 over these steps first"
     )
     parser.add_argument(
+        "--decay-graph",
+        action="store_true",
+        help="compute --decay and --warmup-steps as a TF1 graph (Session, Estimator) does, with "
+        "Grappler's rewrites, rather than as eager TF does",
+    )
+    parser.add_argument(
         "--clip-norm",
         type=float,
         default=None,
@@ -317,12 +325,14 @@ def optimizer_settings(name: str, lr: float | None) -> tuple[type[Optimizer], di
 # --decay: each TF decay of the learning rate lr over --decay-steps steps.
 DECAYS = {
     "exponential": lambda lr, step, args: tf_train.exponential_decay(
-        lr, step, args.decay_steps, args.decay_rate
+        lr, step, args.decay_steps, args.decay_rate, graph=args.decay_graph
     ),
     "polynomial": lambda lr, step, args: tf_train.polynomial_decay(
-        lr, step, args.decay_steps, end_learning_rate=lr / 100
+        lr, step, args.decay_steps, end_learning_rate=lr / 100, graph=args.decay_graph
     ),
-    "cosine": lambda lr, step, args: tf_train.cosine_decay(lr, step, args.decay_steps, alpha=0.01),
+    "cosine": lambda lr, step, args: tf_train.cosine_decay(
+        lr, step, args.decay_steps, alpha=0.01, graph=args.decay_graph
+    ),
 }
 
 
@@ -331,7 +341,7 @@ def decay_of(args: argparse.Namespace, lr: float) -> tf_train.LearningRateDecay 
     if args.decay is None and not args.warmup_steps:
         return None
     if args.decay is None:  # a warm-up alone: then the constant learning rate
-        decayed = tf_train.piecewise_constant(None, [args.warmup_steps], [lr, lr])
+        decayed = tf_train.piecewise_constant(None, [args.warmup_steps], [lr, lr], graph=args.decay_graph)
     else:
         decayed = DECAYS[args.decay](lr, None, args)
     return tf_train.linear_warmup(lr, decayed, args.warmup_steps) if args.warmup_steps else decayed

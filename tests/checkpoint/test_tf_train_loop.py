@@ -36,17 +36,6 @@ CASES = {case["optimizer"]: case for case in json.loads((FIXTURE / "manifest.jso
 CASES_64 = {
     case["optimizer"]: case for case in json.loads((FIXTURE_64 / "manifest.json").read_text())["cases"]
 }
-# TF's graph (its Grappler rewrites; with disable_meta_optimizer it agrees) computes the warm-up's
-# learning rate at global step 6, 0.1 * (6 / 7), as 0.08571429550647736, one float32 ulp above
-# what eager TF and linear_warmup give (0.08571428805589676). Adam's rate there, 0.01 * (6 / 7),
-# is the same in both. The Momentum run then differs by up to 4.2e-9: float32's scale, which the
-# float32 runs' tolerance covers and float64's does not.
-GRAPH_WARMUP = pytest.mark.xfail(
-    strict=True, reason="TF's graph rounds the warm-up rate of step 7 one float32 ulp differently"
-)
-CASES_64_MARKED = [
-    pytest.param(name, marks=GRAPH_WARMUP) if name == "momentum" else name for name in sorted(CASES_64)
-]
 # train.py's state_dict names -> TF's names, and whether TF's is the transpose.
 TRAIN_MODEL_NAMES = {
     "embedding.weight": ("embedding/embeddings", False),
@@ -274,7 +263,7 @@ class _Float64Loop:
         save_tf_checkpoint(prefix, self.var_map, self.opt, ema=self.ema, global_step=int(self.global_step))
 
 
-@pytest.mark.parametrize("optimizer", CASES_64_MARKED)
+@pytest.mark.parametrize("optimizer", sorted(CASES_64))
 def test_the_loop_in_float64_continues_a_tensorflow_run(optimizer: str, tmp_path: Path) -> None:
     """TF -> torch in float64: TF's checkpoint of step K loaded (weights, slots, averages, step)
     and continued M steps by train.py's loop, run in float64."""
@@ -290,7 +279,7 @@ def test_the_loop_in_float64_continues_a_tensorflow_run(optimizer: str, tmp_path
 
 
 @pytest.mark.tf_live
-@pytest.mark.parametrize("optimizer", CASES_64_MARKED)
+@pytest.mark.parametrize("optimizer", sorted(CASES_64))
 def test_tensorflow_continues_the_loop_in_float64(optimizer: str, tmp_path: Path, tf_python: str) -> None:
     """torch -> TF in float64: the loop's state at step K, restored by TF's float64 graph and
     trained M more steps, ends where the torch loop's own continuation does."""

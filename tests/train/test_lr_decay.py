@@ -28,6 +28,11 @@ GENERATOR = Path(__file__).parents[2] / "scripts" / "make_tf_decay_fixtures.py"
 FIXTURE = json.loads((FIXTURES / "decays.json").read_text())
 CASES = FIXTURE["cases"]
 CASE_IDS = [case["id"] for case in CASES]
+# The same decays in a TF1 graph (a Session, Grappler on), and configurations Grappler rewrites
+# another way.
+GRAPH_FIXTURE = json.loads((FIXTURES / "decays_graph.json").read_text())
+GRAPH_CASES = GRAPH_FIXTURE["cases"]
+GRAPH_CASE_IDS = [case["id"] for case in GRAPH_CASES]
 DECAY_FUNCTIONS = [
     "exponential_decay",
     "piecewise_constant",
@@ -45,16 +50,16 @@ def _as_float32(bits: list[int]) -> np.ndarray:
     return np.asarray(bits, dtype=np.uint32).view(np.float32)
 
 
-def _make(case: dict[str, Any], global_step: Any = None) -> train.LearningRateDecay:
+def _make(case: dict[str, Any], global_step: Any = None, graph: bool = False) -> train.LearningRateDecay:
     kwargs = case["kwargs"]
     if case["function"] == "bert_warmup":
         decayed = train.polynomial_decay(
-            kwargs["init_lr"], global_step, kwargs["num_train_steps"], end_learning_rate=0.0
+            kwargs["init_lr"], global_step, kwargs["num_train_steps"], end_learning_rate=0.0, graph=graph
         )
         return train.linear_warmup(kwargs["init_lr"], decayed, kwargs["num_warmup_steps"])
     if case["function"] == "piecewise_constant":
-        return train.piecewise_constant(global_step, **kwargs)
-    return getattr(train, case["function"])(global_step=global_step, **kwargs)
+        return train.piecewise_constant(global_step, **kwargs, graph=graph)
+    return getattr(train, case["function"])(global_step=global_step, **kwargs, graph=graph)
 
 
 @pytest.fixture
@@ -109,6 +114,50 @@ def test_the_callable_reads_the_global_step_tensor(case, recorded_noise):
         assert value.dtype == torch.float32 and value.dim() == 0
         values.append(value.item())
     _assert_bitwise(values, case)
+
+
+def test_the_graph_fixtures_hold_every_eager_case():
+    assert GRAPH_FIXTURE["tf_version"] == FIXTURE["tf_version"]
+    graph = {case["id"]: case for case in GRAPH_CASES}
+    for case in CASES:
+        assert {k: v for k, v in graph[case["id"]].items() if k != "bits"} == {
+            k: v for k, v in case.items() if k != "bits"
+        }
+
+
+@pytest.mark.parametrize("case", GRAPH_CASES, ids=GRAPH_CASE_IDS)
+def test_graph_gives_a_tf1_graphs_bits_at_every_step(case, recorded_noise):
+    recorded_noise(case)
+    decay = _make(case, graph=True)
+    assert decay.graph
+    _assert_bitwise([decay.at(step) for step in case["steps"]], case)
+
+
+@pytest.mark.parametrize("case", GRAPH_CASES, ids=GRAPH_CASE_IDS)
+def test_graph_callable_reads_the_global_step_tensor(case, recorded_noise):
+    recorded_noise(case)
+    global_step = torch.zeros((), dtype=torch.int64)
+    decay = _make(case, global_step, graph=True)
+    values = []
+    for step in case["steps"]:
+        global_step.fill_(step)
+        values.append(decay().item())
+    _assert_bitwise(values, case)
+
+
+@pytest.mark.parametrize("name", ["exp_41_stair", "bert_warmup_7", "sgdr_37_tmul1.5_alpha"])
+def test_decay_lr_carries_the_graph_numbers(name):
+    case = GRAPH_CASES[GRAPH_CASE_IDS.index(name)]
+    opt = optim.GradientDescentOptimizer([torch.zeros(1, requires_grad=True)], learning_rate=0.1)
+    scheduler = train.DecayLR(opt, _make(case, graph=True))
+    steps = [s for s in case["steps"] if s <= 200]
+    lrs = []
+    for _ in range(steps[-1] + 1):
+        lrs.append(opt.param_groups[0]["lr"])
+        opt.step()
+        scheduler.step()
+    want = dict(zip(case["steps"], case["bits"], strict=True))
+    _assert_bitwise([lrs[s] for s in steps], {**case, "steps": steps, "bits": [want[s] for s in steps]})
 
 
 def test_a_python_int_global_step_is_fixed_as_in_tensorflow():
@@ -562,6 +611,43 @@ def test_a_bad_seed_is_refused(kwargs, exc, match):
         train.noisy_linear_cosine_decay(0.1, None, 10, **kwargs)
 
 
+# The first arguments of each decay function, for the graph argument's checks.
+GRAPH_ARGS = {
+    name: (0.1, None, 10, 0.5) if "exp" in name or "inverse" in name else (0.1, None, 10)
+    for name in DECAY_FUNCTIONS
+}
+GRAPH_ARGS["piecewise_constant"] = (None, [10], [0.1, 0.05])
+
+
+@pytest.mark.parametrize("name", DECAY_FUNCTIONS)
+@pytest.mark.parametrize("graph", [1, None, "yes"])
+def test_a_bad_graph_is_refused(name, graph):
+    with pytest.raises(TypeError, match=f"graph must be a bool, got {type(graph).__name__}"):
+        getattr(train, name)(*GRAPH_ARGS[name], graph=graph)
+
+
+@pytest.mark.parametrize("name", [n for n in DECAY_FUNCTIONS if n != "piecewise_constant"])
+def test_graph_refuses_a_tensor_learning_rate(name):
+    # A graph folds a constant learning rate into the decay's other constants; a tensor read at
+    # each evaluation is a variable there, which Grappler leaves alone: other numbers.
+    lr, *rest = GRAPH_ARGS[name]
+    with pytest.raises(TypeError, match="learning_rate must be a Python number with graph=True"):
+        getattr(train, name)(torch.tensor(lr), *rest, graph=True)
+    assert not getattr(train, name)(torch.tensor(lr), *rest).graph
+
+
+def test_linear_warmup_computes_as_its_decay_does():
+    eager, graph = (train.cosine_decay(0.1, None, 10, graph=g) for g in (False, True))
+    # 0.1 * (6 / 7) and 6 * (0.1 * (1 / 7)): one float32 ulp apart.
+    assert train.linear_warmup(0.1, eager, 7).at(6) == 0.08571428805589676
+    assert train.linear_warmup(0.1, graph, 7).at(6) == 0.08571429550647736
+    assert train.linear_warmup(0.1, graph, 7).graph and "graph=True" in repr(
+        train.linear_warmup(0.1, graph, 7)
+    )
+    with pytest.raises(TypeError, match="learning_rate must be a Python number with graph=True"):
+        train.linear_warmup(torch.tensor(0.1), graph, 7)
+
+
 def test_bad_steps_are_refused_at_evaluation():
     global_step = torch.tensor(-1)
     decay = train.exponential_decay(0.1, global_step, 10, 0.5)
@@ -622,8 +708,9 @@ def test_a_bad_scheduler_changes_nothing(make_decay, group_lr, exc, match):
 @pytest.mark.tf_live
 def test_generator_reproduces_the_fixtures(run_tf_generator) -> None:
     """Rerun real TensorFlow: the committed fixtures are what the generator writes today."""
-    fresh = json.loads((run_tf_generator(GENERATOR) / "decays.json").read_text())
-    assert fresh["cases"] == CASES
+    out = run_tf_generator(GENERATOR)
+    assert json.loads((out / "decays.json").read_text())["cases"] == CASES
+    assert json.loads((out / "decays_graph.json").read_text())["cases"] == GRAPH_CASES
 
 
 _TF_SIGNATURES = """

@@ -14,6 +14,10 @@ replays TF's ops in TF's order with TF's float32 rounding (see ``_float32``):
 the value is TF's bit for bit at any step, including steps past 2**24 where
 float32 cannot hold the step exactly.
 
+Eager TF computes a decay as its source writes it; a TF1 graph (``Session``,
+Estimator, ``tf.function``) computes it after Grappler's rewrites, which give
+other float32 numbers (see ``_graph_decays``): ``graph=True`` gives those.
+
 Differences from TensorFlow:
 
 1. The learning rate is float32: a Python number, or a 0-d float32 tensor read
@@ -25,6 +29,9 @@ Differences from TensorFlow:
 3. ``noisy_linear_cosine_decay`` draws its noise from torch, not TF's random op
    (see its docstring); its formula is TF's.
 4. ``name`` is accepted and unused.
+5. ``graph=True`` is a graph whose global step is a variable and whose
+   hyperparameters are constants (the learning rate a Python number); a fed
+   global step, or a learning rate in a variable, gives other numbers there.
 """
 
 from __future__ import annotations
@@ -43,6 +50,7 @@ from torch import Tensor
 
 from ..optim.wrapper import check_range
 from . import _float32 as f
+from . import _graph_decays as g
 
 # TF's ``constant_op.constant(math.pi)``: float32 whatever the learning rate's dtype.
 _PI = f.f32(math.pi)
@@ -73,10 +81,13 @@ class LearningRateDecay:
         (1, 0.09216000139713287)
     """
 
-    def __init__(self, rule: Callable[[int], float], global_step: Any, name: str) -> None:
+    def __init__(
+        self, rule: Callable[[int], float], global_step: Any, name: str, graph: bool = False
+    ) -> None:
         self._rule = rule
         self.global_step = global_step
         self.name = name
+        self.graph = graph
 
     def __call__(self) -> Tensor:
         if self.global_step is None:
@@ -95,7 +106,8 @@ class LearningRateDecay:
         return self._rule(step)
 
     def __repr__(self) -> str:
-        return f"LearningRateDecay({self.name}, global_step={self.global_step!r})"
+        mode = ", graph=True" if self.graph else ""
+        return f"LearningRateDecay({self.name}, global_step={self.global_step!r}{mode})"
 
 
 def exponential_decay(
@@ -105,6 +117,8 @@ def exponential_decay(
     decay_rate: Number,
     staircase: bool = False,
     name: str | None = None,
+    *,
+    graph: bool = False,
 ) -> LearningRateDecay:
     """``learning_rate * decay_rate ** (global_step / decay_steps)``, as TF's ``exponential_decay``.
 
@@ -118,16 +132,23 @@ def exponential_decay(
         decay_rate: ≥ 0.
         staircase: decay at multiples of ``decay_steps`` only.
         name: accepted for TF compatibility, unused.
+        graph: keyword-only, not TF's. False (the default): the numbers of eager
+            TF, which computes as TF's source writes it. True: the numbers of a
+            TF1 graph (``Session``, Estimator, ``tf.function``), which Grappler
+            rewrites: ``step / decay_steps`` is ``step * (1 / decay_steps)``,
+            constants fold together. The learning rate must then be a Python
+            number (a graph constant).
 
     Raises:
         ValueError: an argument out of range, naming it and the value.
         TypeError: an argument of another type.
     """
-    learning_rate = _check_common(learning_rate, global_step, decay_steps, "decay_steps")
+    learning_rate = _check_common(learning_rate, global_step, decay_steps, "decay_steps", graph)
     rate = _checked("decay_rate", decay_rate, 0.0)
     _check_bool("staircase", staircase)
-    rule = functools.partial(_exponential, learning_rate, f.f32(decay_steps), f.f32(rate), staircase)
-    return LearningRateDecay(rule, global_step, "ExponentialDecay")
+    rule = g.exponential if graph else _exponential
+    rule = functools.partial(rule, learning_rate, f.f32(decay_steps), f.f32(rate), staircase)
+    return LearningRateDecay(rule, global_step, "ExponentialDecay", graph)
 
 
 def natural_exp_decay(
@@ -137,6 +158,8 @@ def natural_exp_decay(
     decay_rate: Number,
     staircase: bool = False,
     name: str | None = None,
+    *,
+    graph: bool = False,
 ) -> LearningRateDecay:
     """``learning_rate * exp(-decay_rate * global_step / decay_steps)``, as TF's ``natural_exp_decay``.
 
@@ -144,12 +167,13 @@ def natural_exp_decay(
     (in float32), so this does too: ``staircase`` floors the exponent's
     ``global_step / decay_steps``. Arguments as :func:`exponential_decay`.
     """
-    learning_rate = _check_common(learning_rate, global_step, decay_steps, "decay_steps")
+    learning_rate = _check_common(learning_rate, global_step, decay_steps, "decay_steps", graph)
     rate = _checked("decay_rate", decay_rate, 0.0)
     _check_bool("staircase", staircase)
     natural_rate = f.exp(-f.f32(rate))
-    rule = functools.partial(_exponential, learning_rate, f.f32(decay_steps), natural_rate, staircase)
-    return LearningRateDecay(rule, global_step, "NaturalExpDecay")
+    rule = g.exponential if graph else _exponential
+    rule = functools.partial(rule, learning_rate, f.f32(decay_steps), natural_rate, staircase)
+    return LearningRateDecay(rule, global_step, "NaturalExpDecay", graph)
 
 
 def _exponential(
@@ -168,16 +192,19 @@ def inverse_time_decay(
     decay_rate: Number,
     staircase: bool = False,
     name: str | None = None,
+    *,
+    graph: bool = False,
 ) -> LearningRateDecay:
     """``learning_rate / (1 + decay_rate * global_step / decay_steps)``, as TF's ``inverse_time_decay``.
 
     ``staircase`` floors ``global_step / decay_steps``. Arguments as :func:`exponential_decay`.
     """
-    learning_rate = _check_common(learning_rate, global_step, decay_steps, "decay_steps")
+    learning_rate = _check_common(learning_rate, global_step, decay_steps, "decay_steps", graph)
     rate = _checked("decay_rate", decay_rate, 0.0)
     _check_bool("staircase", staircase)
-    rule = functools.partial(_inverse_time, learning_rate, f.f32(decay_steps), f.f32(rate), staircase)
-    return LearningRateDecay(rule, global_step, "InverseTimeDecay")
+    rule = g.inverse_time if graph else _inverse_time
+    rule = functools.partial(rule, learning_rate, f.f32(decay_steps), f.f32(rate), staircase)
+    return LearningRateDecay(rule, global_step, "InverseTimeDecay", graph)
 
 
 def _inverse_time(
@@ -197,6 +224,8 @@ def polynomial_decay(
     power: Number = 1.0,
     cycle: bool = False,
     name: str | None = None,
+    *,
+    graph: bool = False,
 ) -> LearningRateDecay:
     """From ``learning_rate`` to ``end_learning_rate`` in ``decay_steps``, as TF's ``polynomial_decay``.
 
@@ -214,12 +243,14 @@ def polynomial_decay(
         cycle: restart after ``decay_steps``.
         Others as :func:`exponential_decay`.
     """
-    learning_rate = _check_common(learning_rate, global_step, decay_steps, "decay_steps")
+    learning_rate = _check_common(learning_rate, global_step, decay_steps, "decay_steps", graph)
     end = _checked("end_learning_rate", end_learning_rate, 0.0)
     power = _checked("power", power, 0.0)
     _check_bool("cycle", cycle)
-    rule = functools.partial(_polynomial, learning_rate, f.f32(decay_steps), f.f32(end), f.f32(power), cycle)
-    return LearningRateDecay(rule, global_step, "PolynomialDecay")
+    rule = g.polynomial if graph else _polynomial
+    hypers = f.f32(decay_steps), f.f32(end), f.f32(power), cycle
+    rule = functools.partial(rule, learning_rate, *hypers)
+    return LearningRateDecay(rule, global_step, "PolynomialDecay", graph)
 
 
 def _polynomial(
@@ -237,7 +268,12 @@ def _polynomial(
 
 
 def piecewise_constant(
-    x: Any, boundaries: Sequence[int], values: Sequence[Number | Tensor], name: str | None = None
+    x: Any,
+    boundaries: Sequence[int],
+    values: Sequence[Number | Tensor],
+    name: str | None = None,
+    *,
+    graph: bool = False,
 ) -> LearningRateDecay:
     """``values[i]`` while ``boundaries[i-1] < x <= boundaries[i]``, as TF's ``piecewise_constant``.
 
@@ -249,12 +285,14 @@ def piecewise_constant(
         boundaries: strictly increasing ints, at least one.
         values: one more than ``boundaries``: learning rates ≥ 0, Python numbers
             or 0-d float32 tensors (read when the decay is made).
+        graph: as :func:`exponential_decay`'s; a graph computes this one as eager TF does.
 
     Raises:
         ValueError: boundaries not increasing, or not one fewer than values; a value out of range.
         TypeError: a boundary that is not an int, a value that is not a number.
     """
     _check_global_step(x)
+    _check_bool("graph", graph)
     boundaries, values = list(boundaries), list(values)
     if len(boundaries) != len(values) - 1:
         raise ValueError(
@@ -274,7 +312,7 @@ def piecewise_constant(
             )
     rates = tuple(f.f32(_learning_rate_checked(f"values[{i}]", v)) for i, v in enumerate(values))
     rule = functools.partial(_piecewise, tuple(boundaries), rates)
-    return LearningRateDecay(rule, x, "PiecewiseConstant")
+    return LearningRateDecay(rule, x, "PiecewiseConstant", graph)
 
 
 def _piecewise(boundaries: tuple[int, ...], values: tuple[float, ...], step: int) -> float:
@@ -287,6 +325,8 @@ def cosine_decay(
     decay_steps: Number,
     alpha: Number = 0.0,
     name: str | None = None,
+    *,
+    graph: bool = False,
 ) -> LearningRateDecay:
     """Half a cosine from ``learning_rate`` to ``alpha * learning_rate``, as TF's ``cosine_decay``.
 
@@ -300,10 +340,12 @@ def cosine_decay(
         alpha: the final learning rate as a fraction of ``learning_rate``, in [0, 1].
         Others as :func:`exponential_decay`.
     """
-    learning_rate = _check_common(learning_rate, global_step, decay_steps, "decay_steps")
+    learning_rate = _check_common(learning_rate, global_step, decay_steps, "decay_steps", graph)
     alpha = _checked("alpha", alpha, 0.0, 1.0, high_inclusive=True)
-    rule = functools.partial(_cosine, learning_rate, f.f32(decay_steps), f.f32(1 - alpha), f.f32(alpha))
-    return LearningRateDecay(rule, global_step, "CosineDecay")
+    rule = g.cosine if graph else _cosine
+    hypers = f.f32(decay_steps), f.f32(1 - alpha), f.f32(alpha)
+    rule = functools.partial(rule, learning_rate, *hypers)
+    return LearningRateDecay(rule, global_step, "CosineDecay", graph)
 
 
 def _cosine(
@@ -327,6 +369,8 @@ def cosine_decay_restarts(
     m_mul: Number = 1.0,
     alpha: Number = 0.0,
     name: str | None = None,
+    *,
+    graph: bool = False,
 ) -> LearningRateDecay:
     """Cosine decay with warm restarts (SGDR), as TF's ``cosine_decay_restarts``.
 
@@ -346,14 +390,14 @@ def cosine_decay_restarts(
         alpha: in [0, 1].
         Others as :func:`exponential_decay`.
     """
-    learning_rate = _check_common(learning_rate, global_step, first_decay_steps, "first_decay_steps")
+    learning_rate = _check_common(learning_rate, global_step, first_decay_steps, "first_decay_steps", graph)
     t_mul = _checked("t_mul", t_mul, 0.0, low_inclusive=False)
     m_mul = _checked("m_mul", m_mul, 0.0)
     alpha = _checked("alpha", alpha, 0.0, 1.0, high_inclusive=True)
-    rule = functools.partial(
-        _cosine_restarts, learning_rate, f.f32(first_decay_steps), f.f32(t_mul), f.f32(m_mul), f.f32(alpha)
-    )
-    return LearningRateDecay(rule, global_step, "SGDRDecay")
+    rule = g.cosine_restarts if graph else _cosine_restarts
+    hypers = f.f32(first_decay_steps), f.f32(t_mul), f.f32(m_mul), f.f32(alpha)
+    rule = functools.partial(rule, learning_rate, *hypers)
+    return LearningRateDecay(rule, global_step, "SGDRDecay", graph)
 
 
 def _cosine_restarts(
@@ -386,6 +430,8 @@ def linear_cosine_decay(
     alpha: Number = 0.0,
     beta: Number = 0.001,
     name: str | None = None,
+    *,
+    graph: bool = False,
 ) -> LearningRateDecay:
     """A linear decay times a cosine, as TF's ``linear_cosine_decay``.
 
@@ -401,10 +447,13 @@ def linear_cosine_decay(
         beta: ≥ 0.
         Others as :func:`exponential_decay`.
     """
-    learning_rate = _check_common(learning_rate, global_step, decay_steps, "decay_steps")
+    learning_rate = _check_common(learning_rate, global_step, decay_steps, "decay_steps", graph)
     hypers = _linear_cosine_hypers(num_periods, alpha, beta)
-    rule = functools.partial(_linear_cosine, learning_rate, f.f32(decay_steps), *hypers)
-    return LearningRateDecay(rule, global_step, "LinearCosineDecay")
+    if graph:
+        rule = functools.partial(g.linear_cosine, learning_rate, f.f32(decay_steps), *hypers, None)
+    else:
+        rule = functools.partial(_linear_cosine, learning_rate, f.f32(decay_steps), *hypers)
+    return LearningRateDecay(rule, global_step, "LinearCosineDecay", graph)
 
 
 def _linear_cosine_hypers(num_periods: Number, alpha: Number, beta: Number) -> tuple[float, float, float]:
@@ -441,6 +490,7 @@ def noisy_linear_cosine_decay(
     name: str | None = None,
     *,
     seed: int | None = None,
+    graph: bool = False,
 ) -> LearningRateDecay:
     """:func:`linear_cosine_decay` with Gaussian noise added to its linear part, as TF's.
 
@@ -468,7 +518,7 @@ def noisy_linear_cosine_decay(
         seed: None, or an int ≥ 0 that makes the noise a function of the step.
         Others as :func:`linear_cosine_decay`.
     """
-    learning_rate = _check_common(learning_rate, global_step, decay_steps, "decay_steps")
+    learning_rate = _check_common(learning_rate, global_step, decay_steps, "decay_steps", graph)
     variance = _checked("initial_variance", initial_variance, 0.0)
     variance_decay = _checked("variance_decay", variance_decay, 0.0)
     hypers = _linear_cosine_hypers(num_periods, alpha, beta)
@@ -477,7 +527,7 @@ def noisy_linear_cosine_decay(
             raise TypeError(f"seed must be None or an int, got {type(seed).__name__}: {seed!r}")
         check_range("seed", seed, 0)
     rule = functools.partial(
-        _noisy_linear_cosine,
+        _graph_noisy_linear_cosine if graph else _noisy_linear_cosine,
         learning_rate,
         f.f32(decay_steps),
         f.f32(variance),
@@ -485,7 +535,7 @@ def noisy_linear_cosine_decay(
         *hypers,
         seed,
     )
-    return LearningRateDecay(rule, global_step, "NoisyLinearCosineDecay")
+    return LearningRateDecay(rule, global_step, "NoisyLinearCosineDecay", graph)
 
 
 def _noisy_linear_cosine(
@@ -506,6 +556,21 @@ def _noisy_linear_cosine(
     noisy = f.add(linear, f.add(f.mul(_standard_normal(seed, step), std), 0.0))
     cosine = _half_cosine(f.mul(two_periods, f.div(s, decay_steps)))
     return f.mul(_learning_rate(learning_rate), f.add(f.mul(f.add(alpha, noisy), cosine), beta))
+
+
+def _graph_noisy_linear_cosine(
+    learning_rate: float,
+    decay_steps: float,
+    initial_variance: float,
+    variance_decay: float,
+    two_periods: float,
+    alpha: float,
+    beta: float,
+    seed: int | None,
+    step: int,
+) -> float:
+    noise = (initial_variance, variance_decay, _standard_normal(seed, step))
+    return g.linear_cosine(learning_rate, decay_steps, two_periods, alpha, beta, noise, step)
 
 
 def _standard_normal(seed: int | None, step: int) -> float:
@@ -531,7 +596,9 @@ def linear_warmup(
 
     in float32, at ``decayed``'s global step. BERT blends the two with
     ``(1 - is_warmup) * decayed + is_warmup * warmup``, which is the same number
-    for a finite ``decayed``.
+    for a finite ``decayed``. The warm-up computes as ``decayed`` does: with
+    ``graph=True`` there, as a TF1 graph, ``global_step * (learning_rate *
+    (1 / num_warmup_steps))``.
 
     Example (BERT: a linear decay to 0 over the whole run, warm-up first):
         >>> import torch
@@ -544,21 +611,22 @@ def linear_warmup(
 
     Raises:
         ValueError: ``learning_rate`` < 0 or ``num_warmup_steps`` < 1.
-        TypeError: ``decayed`` is not a :class:`LearningRateDecay`.
+        TypeError: ``decayed`` is not a :class:`LearningRateDecay`; ``learning_rate``
+            is a tensor and ``decayed`` computes as a graph.
     """
-    _learning_rate_checked("learning_rate", learning_rate)
-    learning_rate = _rounded(learning_rate)
     if not isinstance(decayed, LearningRateDecay):
         raise TypeError(
             f"decayed must be a LearningRateDecay (from a decay function), got {type(decayed).__name__}"
         )
+    _learning_rate_checked("learning_rate", learning_rate, decayed.graph)
+    learning_rate = _rounded(learning_rate)
     if isinstance(num_warmup_steps, bool) or not isinstance(num_warmup_steps, int):
         raise TypeError(
             f"num_warmup_steps must be an int, got {type(num_warmup_steps).__name__}: {num_warmup_steps!r}"
         )
     check_range("num_warmup_steps", num_warmup_steps, 1)
     rule = functools.partial(_warmup, learning_rate, f.f32(num_warmup_steps), num_warmup_steps, decayed)
-    return LearningRateDecay(rule, decayed.global_step, f"LinearWarmup({decayed.name})")
+    return LearningRateDecay(rule, decayed.global_step, f"LinearWarmup({decayed.name})", decayed.graph)
 
 
 def _warmup(
@@ -568,9 +636,11 @@ def _warmup(
     decayed: LearningRateDecay,
     step: int,
 ) -> float:
-    if step < num_warmup_steps:
-        return f.mul(_learning_rate(learning_rate), f.div(f.f32(step), warmup_steps))
-    return decayed.at(step)
+    if step >= num_warmup_steps:
+        return decayed.at(step)
+    if decayed.graph:
+        return g.warmup(learning_rate, warmup_steps, step)
+    return f.mul(_learning_rate(learning_rate), f.div(f.f32(step), warmup_steps))
 
 
 def _rounded(value: Number | Tensor) -> float | Tensor:
@@ -583,16 +653,25 @@ def _learning_rate(value: float | Tensor) -> float:
     return f.f32(float(value)) if isinstance(value, Tensor) else value
 
 
-def _check_common(learning_rate: Any, global_step: Any, decay_steps: Any, steps_arg: str) -> float | Tensor:
+def _check_common(
+    learning_rate: Any, global_step: Any, decay_steps: Any, steps_arg: str, graph: Any
+) -> float | Tensor:
     """Check the arguments every decay takes; return the learning rate as the decay keeps it."""
-    _learning_rate_checked("learning_rate", learning_rate)
+    _check_bool("graph", graph)
+    _learning_rate_checked("learning_rate", learning_rate, graph)
     _check_global_step(global_step)
     _checked(steps_arg, decay_steps, 0.0, low_inclusive=False)
     return _rounded(learning_rate)
 
 
-def _learning_rate_checked(arg: str, value: Any) -> float:
-    """A learning rate: a Python number or a 0-d float32 tensor, finite and ≥ 0 in float32."""
+def _learning_rate_checked(arg: str, value: Any, graph: bool = False) -> float:
+    """A learning rate: a Python number or a 0-d float32 tensor, finite and ≥ 0 in float32; only a
+    number with ``graph`` (a graph's constant, which Grappler folds into others)."""
+    if isinstance(value, Tensor) and graph:
+        raise TypeError(
+            f"{arg} must be a Python number with graph=True (the graph's constant, which Grappler folds "
+            f"into the decay's other constants); got a tensor: use its value, or graph=False"
+        )
     if isinstance(value, Tensor):
         if value.dtype != torch.float32 or value.dim() != 0:
             raise TypeError(
