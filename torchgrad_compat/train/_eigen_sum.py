@@ -110,6 +110,31 @@ def eigen_sums(tensors: list[Tensor], *, square: bool) -> Tensor:
     return _block_major_sums(tensors, plan, square)
 
 
+def eigen_sum_short(x: np.ndarray) -> np.floating | None:
+    """Eigen's sum of the contiguous 1-d float32 or float64 ``x`` if it is one leaf (at most 1024
+    packets), in a few numpy operations (for a short vector such as a global norm's halves); None
+    for a longer ``x``."""
+    lanes = 8 if x.dtype == np.float32 else 4
+    block = 4 * lanes
+    if len(x) > lanes * _LEAF_PACKETS:
+        return None
+    blocks = len(x) // block
+    if blocks:  # each lane adds the blocks in turn (numpy reduces an outer axis row by row)
+        a = np.add.reduce(x[: blocks * block].reshape(blocks, block), axis=0)
+        packet = ((a[:lanes] + a[lanes : 2 * lanes]) + a[2 * lanes : 3 * lanes]) + a[3 * lanes :]
+    else:
+        packet = np.zeros(lanes, x.dtype)
+    vectorized = len(x) // lanes * lanes
+    for j in range(blocks * block, vectorized, lanes):
+        packet = packet + x[j : j + lanes]
+    tail = x.dtype.type(0)
+    for value in x[vectorized:]:
+        tail = tail + value
+    while len(packet) > 1:
+        packet = packet[: len(packet) // 2] + packet[len(packet) // 2 :]
+    return tail + packet[0]
+
+
 # ---------------------------------------------------------------- the CPU
 
 
@@ -296,7 +321,8 @@ def _block_major_sums(tensors: list[Tensor], plan: _Plan, square: bool) -> Tenso
             if run.count > blocks * block:
                 rest = run.count - blocks * block
                 sources.append(t.as_strided((run.leaves, rest), (run.count, 1), start + blocks * block))
-        torch._foreach_copy_(targets, sources)
+        if sources:  # none where the piece holds only empty tensors
+            torch._foreach_copy_(targets, sources)
         for buffer, out in zip(buffers, outs, strict=True):
             if buffer.shape[0]:
                 if square:
