@@ -103,7 +103,7 @@ def eigen_sums(tensors: list[Tensor], *, square: bool) -> Tensor:
     first = tensors[0]
     cpu = first.device.type == "cpu"
     plan = _plan_of(
-        tuple(t.shape for t in tensors), PACKET[first.dtype], _CPU_PIECE if cpu else _DEVICE_PIECE
+        tuple([t.shape for t in tensors]), PACKET[first.dtype], _CPU_PIECE if cpu else _DEVICE_PIECE
     )
     if cpu:
         return _cpu_sums(tensors, plan, square)
@@ -147,7 +147,7 @@ class _CpuState:
     sums: tuple[tuple[tuple[np.ndarray, np.ndarray, bool], ...], ...]  # per class: rows, out, padded
     flat: np.ndarray  # the workspace
     rest: np.ndarray  # the elements after each leaf's blocks, zeros elsewhere (see _finish_leaves)
-    folded: np.ndarray  # (7, leaves, lanes)
+    folded: np.ndarray  # (7, lanes, leaves)
     accumulators: np.ndarray  # (leaves, 4, lanes); zeros for leaves without a block
 
 
@@ -157,7 +157,7 @@ def _cpu_sums(tensors: list[Tensor], plan: _Plan, square: bool) -> Tensor:
     state = _cpu_state_of(plan, tensors[0].dtype)
     with np.errstate(all="ignore"):  # inf and NaN are summed as IEEE says, as in torch
         _cpu_pieces(tensors, plan, state, square)
-        state.folded[:4] = state.accumulators.transpose(1, 0, 2)
+        state.folded[:4] = state.accumulators.transpose(1, 2, 0)
         leaf_sums = _finish_leaves(state.folded, state.rest, plan.lanes, square)
         return torch.from_numpy(_tensor_sums(leaf_sums, plan))
 
@@ -214,6 +214,7 @@ def _new_cpu_state(plan: _Plan, workspace: Tensor, buffers: Tensor) -> _CpuState
     lanes, leaves, block = plan.lanes, plan.leaves, 4 * plan.lanes
     dtype = workspace.numpy().dtype
     accumulators = np.zeros((leaves, 4, lanes), dtype)
+    folded = np.empty((7, lanes, leaves), dtype)
     flat_sums = accumulators.reshape(-1)
     all_targets, all_squares, all_sums = [], [], []
     for piece in plan.pieces:
@@ -255,7 +256,7 @@ def _new_cpu_state(plan: _Plan, workspace: Tensor, buffers: Tensor) -> _CpuState
         tuple(all_sums),
         workspace.numpy(),
         np.zeros(3 * leaves * lanes + (lanes - 1) * leaves, dtype),
-        np.empty((7, leaves, lanes), dtype),
+        folded,
         accumulators,
     )
 
@@ -290,7 +291,7 @@ class _State:
     outs: tuple[tuple[Tensor, ...], ...]  # per piece and class: its slots of `folded`'s rows 0-3
     remainders: Tensor  # 4 * lanes per leaf: what follows its blocks, zeros after; then one zero
     rest_index: Tensor  # where each leaf's three packets (rows of 3) and tail (rows of lanes - 1) are
-    folded: Tensor  # (7, leaves, lanes)
+    folded: Tensor  # (7, lanes, leaves)
     nodes: Tensor
     joins: tuple[tuple[Tensor, Tensor, Tensor], ...]
     roots: Tensor
@@ -355,7 +356,7 @@ def _state_of(plan: _Plan, dtype: torch.dtype, device: torch.device) -> _State:
 def _new_state(plan: _Plan, workspace: Tensor) -> _State:
     lanes, leaves, block = plan.lanes, plan.leaves, 4 * plan.lanes
     remainders = workspace.new_zeros(leaves * block + 1)
-    folded = workspace.new_zeros(7, leaves, lanes)
+    folded = workspace.new_zeros(7, lanes, leaves)
     all_targets, all_buffers, all_outs = [], [], []
     for piece in plan.pieces:
         buffers = tuple(
@@ -364,7 +365,7 @@ def _new_state(plan: _Plan, workspace: Tensor) -> _State:
             )
             for cls in piece.classes
         )
-        outs = tuple(folded[:4, cls.row : cls.row + cls.slots].permute(1, 0, 2) for cls in piece.classes)
+        outs = tuple(folded[:4, :, cls.row : cls.row + cls.slots].permute(2, 0, 1) for cls in piece.classes)
         targets = []
         for run in piece.runs:
             blocks = run.count // block
@@ -424,17 +425,18 @@ def _finish_leaves(
     """Each leaf's sum: its four accumulators folded into the first and the packets after its
     blocks added (rows 0-3 and 4-6 of ``folded``, one sequence of additions), the tail summed
     element by element, then the tail's sum plus the accumulator's lanes added as a tree. ``rest``
-    holds the packets after the blocks (3, leaves, lanes), then the tails (lanes - 1, leaves)."""
-    leaves = folded.shape[1]
+    holds the packets after the blocks (3, lanes, leaves), then the tails (lanes - 1, leaves): the
+    leaves along the last axis, so that every operation runs along rows of all of them."""
+    leaves = folded.shape[2]
     if square:
         rest = rest * rest
-    folded[4:] = rest[: 3 * leaves * lanes].reshape(3, leaves, lanes)
+    folded[4:] = rest[: 3 * lanes * leaves].reshape(3, lanes, leaves)
     packet = _sum_rows(folded)
-    tail = _sum_rows(rest[3 * leaves * lanes :].reshape(lanes - 1, leaves))
-    while packet.shape[1] > 1:  # the upper half onto the lower, down to one lane
-        half = packet.shape[1] // 2
-        packet = packet[:, :half] + packet[:, half:]
-    return tail + packet[:, 0]
+    tail = _sum_rows(rest[3 * lanes * leaves :].reshape(lanes - 1, leaves))
+    while packet.shape[0] > 1:  # the upper half onto the lower, down to one lane
+        half = packet.shape[0] // 2
+        packet = packet[:half] + packet[half:]
+    return tail + packet[0]
 
 
 def _tensor_sums(
@@ -515,12 +517,12 @@ def _plan_of(shapes: tuple[torch.Size, ...], lanes: int, piece_size: int) -> _Pl
     # Rows for a multiple of 64 leaves (the unused ones sum zeros): the tails' rows too have at
     # least 64 elements.
     rows_used = -(-row // 64) * 64
-    # The packets after the blocks as rows (3, leaves, lanes), then the tails (lanes - 1, leaves):
+    # The packets after the blocks as rows (3, lanes, leaves), then the tails (lanes - 1, leaves):
     # for the GPU's path, the index of each in the remainders (where a leaf has fewer, the index of
     # the zero after all remainders); for the CPU's, each piece's places of them in that vector and
     # in its workspace.
     zero = rows_used * block
-    packet_index = np.full((3, rows_used, lanes), zero, dtype=np.int64)
+    packet_index = np.full((3, lanes, rows_used), zero, dtype=np.int64)
     tail_index = np.full((lanes - 1, rows_used), zero, dtype=np.int64)
     done = []
     for first, last, part, size, runs, classes, chunk, starts in pieces:
@@ -533,11 +535,11 @@ def _plan_of(shapes: tuple[torch.Size, ...], lanes: int, piece_size: int) -> _Pl
             packets, tail = rest // lanes, rest % lanes
             after = count - rest
             k = np.arange(packets * lanes)
-            packet_index[:packets, r] = k.reshape(packets, lanes) + r * block
+            packet_index[:packets, :, r] = k.reshape(packets, lanes) + r * block
             tail_index[:tail, r] = np.arange(tail) + r * block + packets * lanes
             j = np.arange(tail)
             rest_to += [
-                (k // lanes) * rows_used * lanes + r * lanes + k % lanes,
+                (k // lanes) * lanes * rows_used + k % lanes * rows_used + r,
                 3 * rows_used * lanes + j * rows_used + r,
             ]
             at = starts[tensor] + start + after
