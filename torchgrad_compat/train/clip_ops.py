@@ -276,8 +276,8 @@ def _eigen_sums(values: list[Tensor], *, square: bool) -> Tensor:
     gathered on the first's device."""
     if torch.is_grad_enabled() and any(v.requires_grad for v in values):
         return _EigenSums.apply(square, *values)
-    device = values[0].device
-    if all(v.device == device for v in values):
+    device = _common_device(values)
+    if device is not None:
         return eigen_sums(values, square=square)
     groups: dict[torch.device, list[int]] = {}
     for i, v in enumerate(values):
@@ -308,10 +308,14 @@ class _EigenSums(torch.autograd.Function):
 def _scale_all(values: list[Tensor | None], scale: Tensor, *, in_place: bool) -> list[Tensor | None]:
     """Every tensor of ``values`` times ``scale`` (one multiplication each, TF's), one
     ``torch._foreach_mul`` per device; in place, or new tensors. None stays None."""
+    present = [i for i, v in enumerate(values) if v is not None]
+    device = _common_device([values[i] for i in present])
     groups: dict[torch.device, list[int]] = {}
-    for i, v in enumerate(values):
-        if v is not None:
-            groups.setdefault(v.device, []).append(i)
+    if device is not None:
+        groups[device] = present
+    else:
+        for i in present:
+            groups.setdefault(values[i].device, []).append(i)
     out: list[Tensor | None] = list(values)
     for device, members in groups.items():
         tensors = [values[i] for i in members]
@@ -325,6 +329,16 @@ def _scale_all(values: list[Tensor | None], scale: Tensor, *, in_place: bool) ->
             for i, product in zip(members, torch._foreach_mul(tensors, factor), strict=True):
                 out[i] = product
     return out
+
+
+def _common_device(tensors: list[Tensor]) -> torch.device | None:
+    """The device of all ``tensors``, or None when they are on several (or there are none)."""
+    if not tensors:
+        return None
+    device = tensors[0].device
+    if device.type == "cpu":  # a flag per tensor: cheaper than comparing devices, for long lists
+        return device if all([t.is_cpu for t in tensors]) else None
+    return device if all([t.device == device for t in tensors]) else None
 
 
 def _dtensor_class() -> type | None:
