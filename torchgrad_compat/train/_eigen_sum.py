@@ -22,6 +22,15 @@ memory), squared from there into the block-major buffers (one torch multiplicati
 equal leaves, which writes the transposed layout fast), and those buffers summed. Elsewhere the
 pieces are larger and the leaves are copied into the buffers straight from the tensors. Buffers
 and their views are kept per thread and reused call after call.
+
+Measured on one thread for 1M float32 elements in 100 tensors (scripts/bench_clip.py's machine):
+the copy about 0.26 ms, the squares into block-major buffers 0.2 ms, numpy's additions of their
+rows 0.13 ms, the rest 0.1 ms; torch's ``_foreach_norm`` about 0.3 ms. The alternatives were
+slower: numpy's reduction over the blocks as they lie in the tensors (0.95 ms), the transposing
+copy straight from the tensors into buffers of 2M elements (1.7 ms; reads from many places of
+memory at once), or a copy or view per tensor (Python's cost per call). ``np.einsum`` would fuse
+square and sum, but its kernels multiply-add (fused on builds that dispatch to FMA) and add lanes
+in an order of their own: not Eigen's bits.
 """
 
 from __future__ import annotations
