@@ -507,16 +507,7 @@ def _plan_of(shapes: tuple[torch.Size, ...], lanes: int, piece_size: int) -> _Pl
                     and last_run.offset + last_run.leaves * count == start
                     and last_run.slot + last_run.leaves == slot
                 ):
-                    runs[-1] = _Run(
-                        tensor,
-                        last_run.offset,
-                        last_run.leaves + 1,
-                        count,
-                        cls,
-                        last_run.slot,
-                        last_run.row,
-                        last_run.at,
-                    )
+                    runs[-1] = dataclasses.replace(last_run, leaves=last_run.leaves + 1)
                 else:
                     runs.append(_Run(tensor, start, 1, count, cls, slot, row + slot, starts[tensor] + start))
             row += slots
