@@ -5,11 +5,14 @@
 
 Both clip the ``.grad`` of the same float32 parameters in place (their own copies
 of the same gradients), at ``clip_norm`` 1.0. Ours computes TensorFlow's global
-norm in the order of TF's CPU kernels (Eigen's), which torch does not: each
-tensor is copied once into block-major buffers so that its lanes' sequential
-sums run over all tensors at once; that copy is a pass over the gradients that
-torch's ``_foreach_norm`` does not make. The breakdown columns time our norm
-alone (``train.global_norm``) and torch's (``torch.nn.utils.get_total_norm``).
+norm in the order of TF's CPU kernels (Eigen's), which torch does not: the
+gradients are copied piece by piece (about 1 MB) into a workspace that stays in
+the cache, squared from there into block-major buffers, and numpy adds those
+buffers' rows, each lane's blocks one after another for all leaves at once.
+The copy reads the gradients once, as torch's ``_foreach_norm`` does; the
+squares and the additions are two more passes, over data in the cache. The
+breakdown columns time our norm alone (``train.global_norm``) and torch's
+(``torch.nn.utils.get_total_norm``).
 
 Beside them, in the same repeats, a physical floor: one ``copy_`` over as many
 bytes as clipping must move (the gradients read for the norm, then read and

@@ -284,6 +284,8 @@ SIZES = [
     [10000] * 30,
     [33] * 40 + [70000] * 3 + [5],
     [3_000_000],  # more than one piece of work
+    # Tensors longer than a CPU piece, cut into parts between leaves, among short ones and empty ones.
+    [1, 7, 8, 31, 32, 33, 8191, 8192, 8193, 65537, 0, 1_000_003, 0, 300_001, 5],
 ]
 
 
@@ -305,6 +307,29 @@ def test_batched_sums_add_in_eigens_order(sizes, dtype, path, monkeypatch):
     np.testing.assert_array_equal(got, np.array(want, dtype=got.dtype))
     halves = torch.rand(len(sizes) * 37, generator=gen, dtype=dtype)
     assert _eigen_sum.eigen_sums([halves], square=False).item() == eigen_order_sum(halves.numpy(), lanes)
+
+
+def test_a_strided_tensor_longer_than_a_piece_is_summed_by_its_values():
+    gen = torch.Generator().manual_seed(3)
+    x = torch.randn(700, 1001, generator=gen)
+    tensors = [torch.randn(9, generator=gen), x.t(), x[:, ::3]]
+    got = _eigen_sum.eigen_sums(tensors, square=True).numpy()
+    want = [eigen_order_sum((t * t).contiguous().view(-1).numpy(), 8) for t in tensors]
+    np.testing.assert_array_equal(got, np.array(want, dtype=got.dtype))
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_the_short_sum_adds_in_eigens_order(dtype):
+    """The halves of a global norm are summed by a shorter numpy path: every length of one leaf."""
+    lanes = 8 if dtype == np.float32 else 4
+    rng = np.random.default_rng(lanes)
+    for n in [*range(0, 300), 1021, 4095, 4096, 4097, 8191, 8192, 8193]:
+        x = (rng.random(n) * 10).astype(dtype)
+        got = _eigen_sum.eigen_sum_short(x)
+        if n > lanes * 1024:
+            assert got is None
+        else:
+            assert got.dtype == dtype and got == eigen_order_sum(x, lanes), n
 
 
 def _lso_setup():

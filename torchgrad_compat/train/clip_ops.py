@@ -39,12 +39,13 @@ import sys
 from collections.abc import Iterable, Sequence
 from typing import Any
 
+import numpy as np
 import torch
 from torch import Tensor
 
 from .._torch_internals import sparse_indices, sparse_values
 from ..optim.wrapper import check_range, sqrt
-from ._eigen_sum import PACKET, eigen_sums
+from ._eigen_sum import PACKET, eigen_sum_short, eigen_sums
 
 
 def global_norm(t_list: Sequence[Tensor | None], name: str | None = None) -> Tensor:
@@ -72,9 +73,16 @@ def _global_norm(entries: list[Tensor | None], t_list: Sequence[Tensor | None]) 
             f"t_list must hold tensors of one dtype, as TF's global_norm stacks them: got {dtypes}"
         )
     # TF's l2_loss of each tensor, then reduce_sum of the stacked halves: Eigen's order again.
-    half_squared_norms = _summed_over_shards(_sums_of_squares(values), [t for t in t_list if t is not None])
-    half_squared_norms = half_squared_norms * 0.5
-    return sqrt(_eigen_sum(half_squared_norms) * 2.0)
+    sums = _summed_over_shards(_sums_of_squares(values), t_list)
+    if _on_host(sums):
+        # The same operations in numpy, a few microseconds less each than torch's on tiny tensors.
+        with np.errstate(all="ignore"):  # inf and NaN as IEEE arithmetic makes them
+            total = eigen_sum_short(sums.numpy() * 0.5)
+            if total is not None:
+                norm = np.empty((), total.dtype)
+                np.sqrt(total * 2.0, out=norm)
+                return torch.from_numpy(norm)
+    return sqrt(_eigen_sum(sums * 0.5) * 2.0)
 
 
 def clip_by_global_norm(
@@ -130,7 +138,7 @@ def clip_by_global_norm_(
         ValueError: ``clip_norm`` negative or not finite; no parameter has a gradient.
     """
     params = [parameters] if isinstance(parameters, Tensor) else list(parameters)
-    grads = [p.grad for p in params if p.grad is not None]
+    grads = [g for p in params if (g := p.grad) is not None]
     _check_clip_norm(clip_norm)
     if not grads:
         raise ValueError("Invalid parameters value: no parameter has a gradient to clip")
@@ -268,8 +276,8 @@ def _eigen_sums(values: list[Tensor], *, square: bool) -> Tensor:
     gathered on the first's device."""
     if torch.is_grad_enabled() and any(v.requires_grad for v in values):
         return _EigenSums.apply(square, *values)
-    device = values[0].device
-    if all(v.device == device for v in values):
+    device = _common_device(values)
+    if device is not None:
         return eigen_sums(values, square=square)
     groups: dict[torch.device, list[int]] = {}
     for i, v in enumerate(values):
@@ -300,10 +308,14 @@ class _EigenSums(torch.autograd.Function):
 def _scale_all(values: list[Tensor | None], scale: Tensor, *, in_place: bool) -> list[Tensor | None]:
     """Every tensor of ``values`` times ``scale`` (one multiplication each, TF's), one
     ``torch._foreach_mul`` per device; in place, or new tensors. None stays None."""
+    present = [i for i, v in enumerate(values) if v is not None]
+    device = _common_device([values[i] for i in present])
     groups: dict[torch.device, list[int]] = {}
-    for i, v in enumerate(values):
-        if v is not None:
-            groups.setdefault(v.device, []).append(i)
+    if device is not None:
+        groups[device] = present
+    else:
+        for i in present:
+            groups.setdefault(values[i].device, []).append(i)
     out: list[Tensor | None] = list(values)
     for device, members in groups.items():
         tensors = [values[i] for i in members]
@@ -319,6 +331,16 @@ def _scale_all(values: list[Tensor | None], scale: Tensor, *, in_place: bool) ->
     return out
 
 
+def _common_device(tensors: list[Tensor]) -> torch.device | None:
+    """The device of all ``tensors``, or None when they are on several (or there are none)."""
+    if not tensors:
+        return None
+    device = tensors[0].device
+    if device.type == "cpu":  # a flag per tensor: cheaper than comparing devices, for long lists
+        return device if all([t.is_cpu for t in tensors]) else None
+    return device if all([t.device == device for t in tensors]) else None
+
+
 def _dtensor_class() -> type | None:
     """torch's DTensor class, or None while ``torch.distributed.tensor`` is not imported (then no
     DTensor exists, and the import, which is slow, is not made for nothing)."""
@@ -326,12 +348,14 @@ def _dtensor_class() -> type | None:
     return None if module is None else module.DTensor
 
 
-def _summed_over_shards(sums: Tensor, tensors: list[Tensor]) -> Tensor:
-    """Each DTensor's sum over all its shards: its local sum all-reduced over the process group of
-    each mesh dimension it is sharded along (replicated dimensions hold the same values already)."""
+def _summed_over_shards(sums: Tensor, t_list: Sequence[Tensor | None]) -> Tensor:
+    """Each DTensor's sum over all its shards (``sums`` has one per tensor of ``t_list``, None
+    skipped): its local sum all-reduced over the process group of each mesh dimension it is
+    sharded along (replicated dimensions hold the same values already)."""
     dtensor = _dtensor_class()
     if dtensor is None:
         return sums
+    tensors = [t for t in t_list if t is not None]
     by_groups: dict[tuple[Any, ...], list[int]] = {}
     for i, t in enumerate(tensors):
         if isinstance(t, dtensor):
@@ -352,8 +376,27 @@ def _summed_over_shards(sums: Tensor, tensors: list[Tensor]) -> Tensor:
 
 def _scale(norm: Tensor, clip_norm: float | Tensor) -> Tensor:
     """TF's ``clip_norm * min(1 / n, 1 / clip_norm) + (n - n)`` in ``n``'s dtype, on its device."""
+    if not isinstance(clip_norm, Tensor) and _on_host(norm):
+        n = norm.numpy()  # the same operations in numpy (see _global_norm)
+        c = n.dtype.type(clip_norm)
+        scale = np.empty((), n.dtype)
+        with np.errstate(all="ignore"):
+            np.add(c * np.minimum(1.0 / n, 1.0 / c), n - n, out=scale)
+        return torch.from_numpy(scale)
     c = _as_tensor(clip_norm, norm)
     return c * torch.minimum(1.0 / norm, 1.0 / c) + (norm - norm)
+
+
+def _on_host(t: Tensor) -> bool:
+    """Whether ``t`` is a plain float32 or float64 CPU tensor that numpy may compute with in
+    torch's place: autograd is not to record an operation on it, and no ``torch.compile`` traces."""
+    return (
+        type(t) is Tensor
+        and t.dtype in PACKET
+        and t.device.type == "cpu"
+        and not (t.requires_grad and torch.is_grad_enabled())
+        and not torch.compiler.is_compiling()
+    )
 
 
 def _as_tensor(value: float | Tensor, like: Tensor) -> Tensor:
