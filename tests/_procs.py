@@ -29,6 +29,11 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+# Seconds a spawned process may take to start and import torch, on a quiet machine (~3 s here),
+# with a margin for a loaded one beyond what the measured time scale covers.
+STARTUP_S = 20.0
+
+
 def run_ranks(
     target: Callable[..., None],
     world: int,
@@ -44,6 +49,8 @@ def run_ranks(
     arrived so far). A message is progress: a group that reports as it goes
     (one message per check) is not taken for hung because the whole of it is
     slow, and a hung one is caught ``scaled(deadline_s)`` after its last message.
+    The first message may take ``scaled(STARTUP_S)`` longer: a spawned process
+    starts an interpreter and imports torch before it can report anything.
     """
     ctx = multiprocessing.get_context("spawn")
     results = ctx.Queue()
@@ -53,7 +60,7 @@ def run_ranks(
         p.start()
     messages: list[Any] = []
     silence_s = scaled(deadline_s)
-    deadline = time.monotonic() + silence_s
+    deadline = time.monotonic() + silence_s + scaled(STARTUP_S)
     try:
         while len(messages) < expected and time.monotonic() < deadline:
             try:

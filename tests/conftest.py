@@ -6,11 +6,12 @@ import importlib.util
 import os
 import subprocess
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
 from _deadlines import ENV, scaled, time_scale
+from _fused_engine import small_chunks
 
 # torch's autograd engine sizes its per-device queues at its first backward pass, counting the
 # devices each backend reports then: a backward on an XLA device after a CPU one fails an
@@ -62,3 +63,10 @@ def run_tf_generator(tmp_path: Path, tf_python: str) -> Callable[[Path], Path]:
         return tmp_path
 
     return run
+
+
+@pytest.fixture
+def small_fused_chunks() -> Iterator[None]:
+    """``fused=True`` compiles its kernels for chunks of 4 tensors in this test: quick to compile."""
+    with small_chunks():
+        yield

@@ -9,7 +9,7 @@ from typing import Any
 import _deadlines
 import pytest
 from _deadlines import ENV, MAX_SCALE, scaled, time_scale
-from _procs import run_ranks
+from _procs import STARTUP_S, run_ranks
 
 
 def test_the_scale_is_measured_once_within_its_bounds_and_handed_to_child_processes(monkeypatch):
@@ -52,4 +52,4 @@ def test_a_group_that_keeps_reporting_runs_past_its_bound_and_a_silent_one_is_cu
     messages, seconds = _tick_group([silence / 2] * 4, 5)
     assert messages == [0, 1, 2, 3, 4] and seconds > 2 * silence
     messages, seconds = _tick_group([silence / 2, 1000], 3)
-    assert messages == [0, 1] and seconds < silence / 2 + silence + scaled(5)
+    assert messages == [0, 1] and seconds < silence / 2 + silence + scaled(STARTUP_S)

@@ -159,3 +159,25 @@ def test_scripts_use_public_names_only():
                 if private and (path.name, module) not in PRIVATE_IN_SCRIPTS:
                     offences.append(f"{path.name}: from {module} import {', '.join(names)}")
     assert not offences, "\n".join(offences)
+
+
+# The tests that may name the fused engine's private modules: its own, and the one place the
+# other tests change its settings through.
+FUSED_ENGINE_TESTS = {"tests/optim/test_fused.py", "tests/_fused_engine.py"}
+
+
+def test_only_the_engines_own_tests_reach_into_it():
+    offences = []
+    for path in sorted((ROOT / "tests").rglob("*.py")):
+        if path.relative_to(ROOT).as_posix() in FUSED_ENGINE_TESTS:
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom):
+                modules = [node.module or ""]
+            elif isinstance(node, ast.Import):
+                modules = [a.name for a in node.names]
+            else:
+                continue
+            engine = [m for m in modules if m.startswith("torchgrad_compat.optim._fused")]
+            offences += [f"{path.relative_to(ROOT)}: {m}" for m in engine]
+    assert not offences, "set the fused engine up through tests/_fused_engine.py:\n" + "\n".join(offences)

@@ -34,12 +34,12 @@ import pytest
 import torch
 import torch.distributed as dist
 from _deadlines import scaled
+from _fused_engine import use_small_chunks
 from _procs import free_port, init_gloo
 from torch import Tensor, nn
 from torch.nn import functional as F
 
 import torchgrad_compat.optim as tgo
-import torchgrad_compat.optim._fused.config as fused_config
 from torchgrad_compat.amp import DynamicLossScale, LossScaleOptimizer
 
 WORLD = 2
@@ -203,7 +203,7 @@ RUNS: dict[str, Callable[[int], list[dict[str, Any]]]] = {
 def run_rank(rank: int, port: int, out_dir: str) -> None:
     """Entry point of a spawned rank: one gloo group, every scenario, results saved per rank."""
     # Fused kernels over chunks of 4 tensors, as in tests/optim/test_fused.py: quick to compile.
-    fused_config.FUSED_CHUNK = 4
+    use_small_chunks()
     init_gloo(rank, WORLD, port)
     results: dict[str, Any] = {}
     try:

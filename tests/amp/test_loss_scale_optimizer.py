@@ -28,6 +28,7 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
+from _fused_engine import record_unscaling_kernels
 from _host_reads import HostReads
 from optim_specs import SPECS, OptimSpec
 from torch import Tensor, nn
@@ -35,7 +36,6 @@ from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 import torchgrad_compat.amp.loss_scale_optimizer as lso_module
 import torchgrad_compat.optim as tgo
-import torchgrad_compat.optim._fused.run as fused_run
 from torchgrad_compat.amp import DynamicLossScale, FixedLossScale, LossScaleOptimizer
 from torchgrad_compat.optim.wrapper import OptimizerWrapper
 
@@ -968,10 +968,9 @@ def test_an_empty_parameter_leaves_the_others_on_the_usual_path(monkeypatch, sca
     others are not taken for gradients that share memory. They keep torch's one check-and-unscale
     call (dynamic scale) or the fused kernels' unscale (fixed scale), with the numbers of the
     same run without the empty parameter."""
-    careful, rules = [], []
-    each_memory_once, unscaling = lso_module._each_memory_once, fused_run._unscaling
+    careful, rules = [], record_unscaling_kernels(monkeypatch)
+    each_memory_once = lso_module._each_memory_once
     monkeypatch.setattr(lso_module, "_each_memory_once", lambda *a: careful.append(1) or each_memory_once(*a))
-    monkeypatch.setattr(fused_run, "_unscaling", lambda single: rules.append(single) or unscaling(single))
     runs = []
     for with_empty in (True, False):
         params, _ = _fixed_scale_on_fused_adam()

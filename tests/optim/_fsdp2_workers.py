@@ -18,6 +18,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from _fused_engine import use_small_chunks
 from _procs import init_gloo
 from optim_specs import spec_configs
 from torch import nn
@@ -27,7 +28,6 @@ from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.distributed.tensor import DTensor
 
 import torchgrad_compat.optim as tgo
-import torchgrad_compat.optim._fused.config as fused_config
 from torchgrad_compat.amp import DynamicLossScale, LossScaleOptimizer
 
 STEPS, SPLIT = 5, 3
@@ -110,7 +110,7 @@ def _configs(foreach_too: bool) -> list[tuple[str, Callable]]:
 def check_fsdp2_steps_match_unsharded(rank: int, world: int, tmp: Path) -> None:
     """Every optimizer, both paths, steps on FSDP2 shards exactly as the unsharded run does;
     fused=True too, for a rule with a square root and one without (chunks of 4: quick to compile)."""
-    fused_config.FUSED_CHUNK = 4
+    use_small_chunks()
     fused = [
         ("Adam-fused", lambda ps: tgo.AdamOptimizer(ps, learning_rate=0.01, fused=True)),
         ("Momentum-fused", lambda ps: tgo.MomentumOptimizer(ps, 0.1, 0.9, use_nesterov=True, fused=True)),

@@ -17,7 +17,6 @@ import torch
 from optim_specs import SPECS, OptimSpec, spec_configs
 
 import torchgrad_compat.optim as tgo
-import torchgrad_compat.optim._fused.config as fused_config
 import torchgrad_compat.optim._hyper as optim_hyper
 from torchgrad_compat.optim._hyper import Hyper
 from torchgrad_compat.optim._memory import _CPU_CHUNK_BYTES
@@ -502,11 +501,10 @@ MISFIT_DATA = {
 @pytest.mark.parametrize("misfit", list(MISFIT_DATA))
 @pytest.mark.parametrize(("spec", "cid"), DEFAULT_CONFIGS, ids=DEFAULT_IDS)
 def test_step_refuses_a_gradient_replaced_through_data(
-    spec: OptimSpec, cid: str, misfit: str, path: str, monkeypatch
+    spec: OptimSpec, cid: str, misfit: str, path: str, small_fused_chunks
 ):
     """A p.grad whose .data no longer fits its parameter is refused by name before anything
     changes, on every path: the fused kernels would otherwise read it past its end."""
-    monkeypatch.setattr(fused_config, "FUSED_CHUNK", 4)  # the kernels test_fused.py compiles
     params = _params()
     opt = spec.make(
         params,

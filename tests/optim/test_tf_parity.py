@@ -34,7 +34,6 @@ import torch.nn.functional as F
 from _deadlines import scaled
 
 import torchgrad_compat.optim as tgo
-import torchgrad_compat.optim._fused.config as fused_config
 
 ROOT = Path(__file__).resolve().parents[2]
 FIXTURES = ROOT / "tests" / "fixtures" / "optim"
@@ -171,9 +170,8 @@ def test_matches_tensorflow(case: dict[str, Any], mode: str) -> None:
     ("case", "mode"),
     [pytest.param(case, mode, id=f"{case['id']}-{mode}") for case in MANIFEST for mode in MODES],
 )
-def test_fused_matches_tensorflow(case: dict[str, Any], mode: str, monkeypatch) -> None:
+def test_fused_matches_tensorflow(case: dict[str, Any], mode: str, small_fused_chunks) -> None:
     """The same fixtures through fused=True (chunks of 4 tensors, so that compiling stays quick)."""
-    monkeypatch.setattr(fused_config, "FUSED_CHUNK", 4)
     assert_matches_tensorflow(case, mode, fused=True)
 
 
@@ -201,12 +199,11 @@ def _approximated_by_tensorflow(case: dict[str, Any], what: str) -> bool:
     [pytest.param(case, mode, id=f"{case['id']}-{mode}") for case in MANIFEST for mode in MODES],
 )
 def test_tensorflow_bits_where_its_kernels_do_not_approximate(
-    case: dict[str, Any], mode: str, path: dict[str, Any], monkeypatch
+    case: dict[str, Any], mode: str, path: dict[str, Any], small_fused_chunks
 ) -> None:
     """Square roots correctly rounded (TF's are), duplicate rows summed in TF's order, sparse Adam's
     square scaled as a TF1 session computes it, the scalar code of TF's sparse kernels for rows of
     one element followed: every number TF's kernels do not approximate is TF's, on every path."""
-    monkeypatch.setattr(fused_config, "FUSED_CHUNK", 4)
     rtol, atol = TOLERANCE[case["dtype"]]
     for what, ours, theirs in run_case(case, mode, **path):
         if _approximated_by_tensorflow(case, what):
@@ -221,9 +218,10 @@ def test_tensorflow_bits_where_its_kernels_do_not_approximate(
     ("case", "mode"),
     [pytest.param(case, mode, id=f"{case['id']}-{mode}") for case in MANIFEST for mode in MODES],
 )
-def test_cuda_matches_tensorflow(case: dict[str, Any], mode: str, path: dict[str, Any], monkeypatch) -> None:
+def test_cuda_matches_tensorflow(
+    case: dict[str, Any], mode: str, path: dict[str, Any], small_fused_chunks
+) -> None:
     """The fixtures on a GPU, through the default path (foreach) and fused=True (Triton kernels)."""
-    monkeypatch.setattr(fused_config, "FUSED_CHUNK", 4)
     assert_matches_tensorflow(case, mode, "cuda", **path)
 
 

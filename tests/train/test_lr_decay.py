@@ -16,10 +16,10 @@ import numpy as np
 import pytest
 import torch
 from _deadlines import scaled
+from _fused_engine import forget_compiled_kernels
 from torch._dynamo.utils import counters
 from torch.optim import lr_scheduler as sched
 
-import torchgrad_compat.optim._fused.kernel as fused_kernel
 import torchgrad_compat.train.learning_rate_decay as lr_decay
 from torchgrad_compat import optim, train
 
@@ -453,7 +453,7 @@ def _graphs_per_step(opt: torch.optim.Optimizer, params: list[torch.Tensor], com
 
 def test_a_fused_step_does_not_recompile_as_the_decay_changes_lr(fresh_dynamo, monkeypatch):
     # (A kernel another test of this process compiled would be called without dynamo: none is kept.)
-    monkeypatch.setattr(fused_kernel._FusedKernel, "_compiled", {})
+    forget_compiled_kernels(monkeypatch)
     params = [torch.randn(4, 3).requires_grad_(), torch.randn(5).requires_grad_()]
     opt = optim.MomentumOptimizer(params, learning_rate=0.1, momentum=0.9, fused=True)
     counts = _graphs_per_step(opt, params, compile_step=False)

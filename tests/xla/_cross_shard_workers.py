@@ -18,11 +18,11 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from _autograd import FailingBackward
+from _fused_engine import small_chunks
 from _procs import init_gloo
 from torch import Tensor, nn
 
 import torchgrad_compat.optim as tgo
-import torchgrad_compat.optim._fused.config as fused_config
 from torchgrad_compat.xla import CrossShardOptimizer
 
 STEPS = 3
@@ -149,8 +149,7 @@ def check_full_batch_equivalence(rank: int, world: int) -> None:
 def check_fused_as_the_reference_loop(rank: int, world: int) -> None:
     """A fused inner optimizer steps as the same run with ``foreach=False``, bitwise."""
     # Chunks of 4 tensors, as in tests/optim/test_fused.py: quick to compile.
-    chunk, fused_config.FUSED_CHUNK = fused_config.FUSED_CHUNK, 4
-    try:
+    with small_chunks():
         runs = []
         for path in ({"fused": True}, {"foreach": False}):
             model = Net(torch.float32)
@@ -165,8 +164,6 @@ def check_fused_as_the_reference_loop(rank: int, world: int) -> None:
             everyone = _gather_flat(model)
             assert all(torch.equal(e, everyone[rank]) for e in everyone), f"{path}: ranks differ bitwise"
             runs.append(trace)
-    finally:
-        fused_config.FUSED_CHUNK = chunk
     for step, (fused, loop) in enumerate(zip(*runs, strict=True)):
         for f, r in zip(fused, loop, strict=True):
             assert torch.equal(f, r), f"step {step} on rank {rank}"
