@@ -314,6 +314,33 @@ def test_a_training_loop_takes_the_whole_path_twice_then_replays(
     assert len(whole) == (2 if spec.slots else 1) + 6
 
 
+@pytest.mark.parametrize("grad_mode", [True, False], ids=["grad", "no_grad"])
+def test_a_replayed_step_runs_without_grad_and_leaves_grad_mode_as_it_found_it(grad_mode: bool):
+    """A replayed step turns grad mode off for its kernels (with it on, run_fused takes the reference
+    loop) and gives it back as it was, also when the step fails."""
+    params = [torch.nn.Parameter(torch.randn(64)) for _ in range(6)]
+    opt = tgo.MomentumOptimizer(params, learning_rate=0.1, momentum=0.9, fused=True)
+    seen = []
+    rule = opt._apply_dense
+
+    def watching(*args):
+        seen.append(torch.is_grad_enabled())
+        return rule(*args)
+
+    opt._apply_dense = watching
+    with torch.set_grad_enabled(grad_mode):
+        for _ in range(4):
+            for p in params:
+                p.grad = torch.randn(64)
+            opt.step()
+            assert torch.is_grad_enabled() is grad_mode
+        assert seen == [False] * 4 and opt.__dict__.get("_step_replay") is not None
+        opt._apply_dense = lambda *args: (_ for _ in ()).throw(RuntimeError("rule failed"))
+        with pytest.raises(RuntimeError, match="rule failed"):
+            opt.step()
+        assert torch.is_grad_enabled() is grad_mode
+
+
 def test_a_scalar_a_rule_computes_at_each_step_is_not_replayed_stale(monkeypatch):
     """A replayed step updates through the rule's own ``_apply_dense`` (see _StepReplay), so a
     scalar the rule computes afresh at each step, from anything at all, is computed again: here

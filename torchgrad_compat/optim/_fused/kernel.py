@@ -69,14 +69,17 @@ class _FusedKernel:
         cls, single: Callable[..., None], lists: tuple[list[Tensor], ...], scalars: dict[str, Any]
     ) -> _FusedKernel:
         """The kernel for this rule, chunk size, device, dtypes and options (compiled at its first call)."""
+        # (Comprehensions, not generators: this runs at every step, replayed ones too.)
         key = (
             single,
             config.FUSED_CHUNK,
             lists[0][0].device,
-            tuple(lst[0].dtype if lst else None for lst in lists),
+            tuple([lst[0].dtype if lst else None for lst in lists]),
             tuple(
-                (name, (v.dtype, v.device, v.dim()) if isinstance(v, Tensor) else v)
-                for name, v in sorted(scalars.items())
+                [
+                    (name, (v.dtype, v.device, v.dim()) if isinstance(v, Tensor) else v)
+                    for name, v in sorted(scalars.items())
+                ]
             ),
         )
         kernel = cls._compiled.get(key)
