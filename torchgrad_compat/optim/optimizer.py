@@ -776,15 +776,12 @@ class Optimizer(torch.optim.Optimizer):
                 self.__dict__["_step_replay"] = replay
 
     def _update_bucket(self, group, params, grads, slots, non_slot, hyper, fused: FusedStep | None) -> None:
-        """Update one bucket of a group (parameters of one device and dtype) by the rule. A
-        replayed step (see :class:`_StepReplay`) updates through this very method and
-        :meth:`_end_group`, so every scalar a rule computes is computed afresh."""
+        """Update one bucket of a group (parameters of one device and dtype) by the rule. A replayed
+        step updates through it and :meth:`_end_group`: every scalar a rule computes is computed afresh."""
+        path = (False, fused) if fused is not None else (self._use_foreach(group, params), None)
         if params[0].dtype not in _HALF_DTYPES:  # (no working copies to make: no context to enter)
-            path = (False, fused) if fused is not None else (self._use_foreach(group, params), None)
-            self._apply_dense(group, params, grads, slots, non_slot, hyper, path)
-            return
+            return self._apply_dense(group, params, grads, slots, non_slot, hyper, path)
         with _working_precision(params, grads, slots) as (ps, gs, ss):
-            path = (False, fused) if fused is not None else (self._use_foreach(group, ps), None)
             self._apply_dense(group, ps, gs, ss, non_slot, hyper, path)
 
     def _end_group(self, index: int, group: dict[str, Any], non_slot: dict[str, Tensor], values) -> None:
