@@ -670,6 +670,20 @@ def test_a_refused_push_is_not_sent_again():
     assert opt.finish() == 3
 
 
+def test_a_planted_symlink_beside_the_checkpoint_is_never_written_through(tmp_path):
+    """Another user of the directory plants symlinks at the names a server might write first
+    (``ps.pt.tmp``, the name the server used to write to): the server checks its path and saves
+    through files of its own, and the symlinks' targets stay as they were."""
+    victim = tmp_path / "victim"
+    victim.write_bytes(b"precious")
+    path = tmp_path / "ps.pt"
+    (tmp_path / "ps.pt.tmp").symlink_to(victim)
+    _saved_checkpoint(tmp_path)
+    assert victim.read_bytes() == b"precious"
+    assert torch.load(path, weights_only=True)["global_step"] == 1
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ps.pt", "ps.pt.tmp", "victim"]
+
+
 def _saved_checkpoint(tmp_path: Path) -> Path:
     path = tmp_path / "ps.pt"
     server = ParameterServer(

@@ -325,9 +325,14 @@ class ParameterServer:
 
     def _save(self) -> None:
         # Written beside the target and renamed, so a crash mid-save leaves the previous checkpoint.
-        tmp = f"{self._checkpoint_path}.tmp"
-        torch.save(self._state_dict(), tmp)
-        os.replace(tmp, self._checkpoint_path)
+        fd, tmp = _new_file_beside(self._checkpoint_path)
+        try:
+            with os.fdopen(fd, "wb") as f:
+                torch.save(self._state_dict(), f)
+            os.replace(tmp, self._checkpoint_path)
+        except BaseException:
+            os.unlink(tmp)
+            raise
 
     def _save_after_update(self) -> None:
         """Save after an applied update; a failure must not fail (and so repeat) the push."""
@@ -422,12 +427,11 @@ class ParameterServer:
 def _writable(path: str | os.PathLike[str]) -> str:
     """``path`` as a string, once a file can be created beside it (checked by creating one)."""
     path = os.fspath(path)
-    probe = f"{path}.tmp"
     try:
         if os.path.isdir(path):
             raise IsADirectoryError(f"{path} is a directory")
-        with open(probe, "wb"):
-            pass
+        fd, probe = _new_file_beside(path)
+        os.close(fd)
         os.remove(probe)
     except OSError as e:
         raise ValueError(
@@ -435,6 +439,20 @@ def _writable(path: str | os.PathLike[str]) -> str:
             f"({type(e).__name__}: {e})"
         ) from e
     return path
+
+
+def _new_file_beside(path: str) -> tuple[int, str]:
+    """A new file of a name of its own beside ``path``, open for writing: created, so never a file
+    someone else put there or a symlink planted to make the server write elsewhere."""
+    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_BINARY", 0)
+    directory, name = os.path.split(path)
+    for _ in range(100):
+        temporary = os.path.join(directory, f".{name}.{secrets.token_hex(4)}.tmp")
+        try:
+            return os.open(temporary, flags, 0o666), temporary
+        except FileExistsError:
+            continue
+    raise FileExistsError(f"no free temporary name beside {path}")
 
 
 def checkpoint_digest(state: dict[str, Any]) -> str:
