@@ -93,12 +93,26 @@ def test_tf_checkpoint_table_reports_every_case_within_tolerance() -> None:
 
 def test_tf_checkpoint_bench_smoke() -> None:
     """scripts/bench_tf_checkpoint.py on a 0.3 MB checkpoint: a row per reader and writer, with memory."""
+    _tf_checkpoint_bench(["--no-tf"], {"load_tf_checkpoint (ours)", "torch.load"})
+
+
+@pytest.mark.tf_live
+def test_tf_checkpoint_bench_smoke_with_tensorflow(tf_python: str) -> None:
+    """With TensorFlow, its reader has a row too."""
+    _tf_checkpoint_bench(
+        ["--tf-python", tf_python],
+        {"load_tf_checkpoint (ours)", "torch.load", "tf.train.load_checkpoint + get_tensor"},
+    )
+
+
+def _tf_checkpoint_bench(args: list[str], expected: set[str]) -> None:
     script = TRAIN.with_name("bench_tf_checkpoint.py")
-    args = ["--mb", "0.3", "--tensors", "3", "--repeats", "1"]
-    if importlib.util.find_spec("tensorflow") is None and "TORCHGRAD_COMPAT_TF_PYTHON" not in os.environ:
-        args.append("--no-tf")
     result = subprocess.run(
-        [sys.executable, str(script), *args], capture_output=True, text=True, timeout=scaled(300), check=False
+        [sys.executable, str(script), "--mb", "0.3", "--tensors", "3", "--repeats", "1", *args],
+        capture_output=True,
+        text=True,
+        timeout=scaled(300),
+        check=False,
     )
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     readers = dict(
@@ -106,9 +120,6 @@ def test_tf_checkpoint_bench_smoke() -> None:
             r"^\| ([^|]+?) \| [\d.]+ \| [\d.]+ \| (\d+) \| -?\d+ \| -?[\d.]+x \|$", result.stdout, re.M
         )
     )
-    expected = {"load_tf_checkpoint (ours)", "torch.load"}
-    if "--no-tf" not in args:
-        expected.add("tf.train.load_checkpoint + get_tensor")
     assert set(readers) == expected, result.stdout
     assert all(int(peak) > 0 for peak in readers.values())
     assert re.search(r"^\| save_tf_checkpoint \(ours\) \| [\d.]+ \|", result.stdout, re.M), result.stdout
