@@ -6,7 +6,7 @@ import importlib.util
 import os
 import subprocess
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -36,13 +36,13 @@ def pytest_report_header(config: pytest.Config) -> str:
 REQUIRE_TF = "TORCHGRAD_COMPAT_REQUIRE_TF"
 
 
-@pytest.hookimpl(wrapper=True)
-def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) -> pytest.TestReport:
-    report = yield
+@pytest.hookimpl(hookwrapper=True)  # (not wrapper=True: setup.cfg allows pytest 7)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) -> Iterator[None]:
+    outcome = yield
+    report = outcome.get_result()
     if report.skipped and os.environ.get(REQUIRE_TF) == "1" and item.get_closest_marker("tf_live"):
         report.outcome = "failed"
         report.longrepr = f"{REQUIRE_TF}=1, yet this tf_live test skipped: {report.longrepr}"
-    return report
 
 
 @pytest.fixture
