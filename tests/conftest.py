@@ -52,7 +52,7 @@ def tf_python(request: pytest.FixtureRequest) -> str:
     """An interpreter with real TensorFlow: this one when it can import tensorflow, else the one
     named by ``TORCHGRAD_COMPAT_TF_PYTHON`` (TensorFlow and torch need not share an
     environment); with neither, the test is skipped. Only ``tf_live`` tests may ask for it: CI
-    runs them in a step of their own, where TensorFlow is, and skips them everywhere else."""
+    runs README's command without TensorFlow, then ``-m tf_live`` with it."""
     if request.node.get_closest_marker("tf_live") is None:
         pytest.fail(f"{request.node.nodeid} uses TensorFlow: mark it @pytest.mark.tf_live")
     if importlib.util.find_spec("tensorflow") is not None:
