@@ -32,11 +32,30 @@ def pytest_report_header(config: pytest.Config) -> str:
     return f"time bounds scaled by {time_scale():.2f} ({ENV})"
 
 
+# Set by CI's TensorFlow step (``pytest -m tf_live``): there a live test that skips fails instead, so
+# that a step meant to rerun TensorFlow cannot pass having run none of it.
+REQUIRE_TF = "TORCHGRAD_COMPAT_REQUIRE_TF"
+
+
+@pytest.hookimpl(hookwrapper=True)  # (not wrapper=True: setup.cfg allows pytest 7)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) -> Iterator[None]:
+    outcome = yield
+    report = outcome.get_result()
+    # (An expected failure reports as skipped too: it keeps its outcome.)
+    skipped = report.skipped and not hasattr(report, "wasxfail")
+    if skipped and os.environ.get(REQUIRE_TF) == "1" and item.get_closest_marker("tf_live"):
+        report.outcome = "failed"
+        report.longrepr = f"{REQUIRE_TF}=1, yet this tf_live test skipped: {report.longrepr}"
+
+
 @pytest.fixture
-def tf_python() -> str:
+def tf_python(request: pytest.FixtureRequest) -> str:
     """An interpreter with real TensorFlow: this one when it can import tensorflow, else the one
     named by ``TORCHGRAD_COMPAT_TF_PYTHON`` (TensorFlow and torch need not share an
-    environment); with neither, the test is skipped."""
+    environment); with neither, the test is skipped. Only ``tf_live`` tests may ask for it: CI
+    runs README's command without TensorFlow, then ``-m tf_live`` with it."""
+    if request.node.get_closest_marker("tf_live") is None:
+        pytest.fail(f"{request.node.nodeid} uses TensorFlow: mark it @pytest.mark.tf_live")
     if importlib.util.find_spec("tensorflow") is not None:
         return sys.executable
     python = os.environ.get("TORCHGRAD_COMPAT_TF_PYTHON")

@@ -17,16 +17,29 @@ TRAIN = Path(__file__).resolve().parents[1] / "scripts" / "train.py"
 SUMMARY = re.compile(r"^done: .* training loss (\d+\.\d+) -> (\d+\.\d+), held-out accuracy", re.MULTILINE)
 
 
-# Adam: the dense rule and its non-lazy sparse rule, torch style; Ftrl: a variable
-# computed from its accumulators, with l1, TF style; Momentum under bfloat16 autocast
-# with dynamic loss scaling. Each run costs ~3 s, mostly importing torch, so three
-# are enough here; tests/ covers every optimizer.
+# Adam (the default run, see adam_run): the dense rule and its non-lazy sparse rule, torch
+# style; Ftrl: a variable computed from its accumulators, with l1, TF style; Momentum under
+# bfloat16 autocast with dynamic loss scaling. Each run costs ~3 s, mostly importing torch, so
+# three are enough here; tests/ covers every optimizer.
 @pytest.mark.parametrize(
     ("optimizer", "style", "extra"),
-    [("adam", "torch", []), ("ftrl", "tf", []), ("momentum", "torch", ["--loss-scale", "dynamic"])],
+    [("ftrl", "tf", []), ("momentum", "torch", ["--loss-scale", "dynamic"])],
 )
 def test_train_script_reduces_loss(optimizer: str, style: str, extra: list[str]) -> None:
     first, last = _train("--optimizer", optimizer, "--style", style, "--steps", "30", *extra)
+    assert last < 0.8 * first
+
+
+@pytest.fixture(scope="module")
+def adam_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[float, float, Path]:
+    """scripts/train.py's default run (Adam, torch style) for 30 steps, saved: its first and last
+    loss, and its checkpoint."""
+    saved = tmp_path_factory.mktemp("adam") / "whole.pt"
+    return (*_train("--steps", "30", "--save", str(saved)), saved)
+
+
+def test_train_script_reduces_loss_with_adam(adam_run: tuple[float, float, Path]) -> None:
+    first, last, _ = adam_run
     assert last < 0.8 * first
 
 
@@ -93,12 +106,26 @@ def test_tf_checkpoint_table_reports_every_case_within_tolerance() -> None:
 
 def test_tf_checkpoint_bench_smoke() -> None:
     """scripts/bench_tf_checkpoint.py on a 0.3 MB checkpoint: a row per reader and writer, with memory."""
+    _tf_checkpoint_bench(["--no-tf"], {"load_tf_checkpoint (ours)", "torch.load"})
+
+
+@pytest.mark.tf_live
+def test_tf_checkpoint_bench_smoke_with_tensorflow(tf_python: str) -> None:
+    """With TensorFlow, its reader has a row too."""
+    _tf_checkpoint_bench(
+        ["--tf-python", tf_python],
+        {"load_tf_checkpoint (ours)", "torch.load", "tf.train.load_checkpoint + get_tensor"},
+    )
+
+
+def _tf_checkpoint_bench(args: list[str], expected: set[str]) -> None:
     script = TRAIN.with_name("bench_tf_checkpoint.py")
-    args = ["--mb", "0.3", "--tensors", "3", "--repeats", "1"]
-    if importlib.util.find_spec("tensorflow") is None and "TORCHGRAD_COMPAT_TF_PYTHON" not in os.environ:
-        args.append("--no-tf")
     result = subprocess.run(
-        [sys.executable, str(script), *args], capture_output=True, text=True, timeout=scaled(300), check=False
+        [sys.executable, str(script), "--mb", "0.3", "--tensors", "3", "--repeats", "1", *args],
+        capture_output=True,
+        text=True,
+        timeout=scaled(300),
+        check=False,
     )
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     readers = dict(
@@ -106,23 +133,20 @@ def test_tf_checkpoint_bench_smoke() -> None:
             r"^\| ([^|]+?) \| [\d.]+ \| [\d.]+ \| (\d+) \| -?\d+ \| -?[\d.]+x \|$", result.stdout, re.M
         )
     )
-    expected = {"load_tf_checkpoint (ours)", "torch.load"}
-    if "--no-tf" not in args:
-        expected.add("tf.train.load_checkpoint + get_tensor")
     assert set(readers) == expected, result.stdout
     assert all(int(peak) > 0 for peak in readers.values())
     assert re.search(r"^\| save_tf_checkpoint \(ours\) \| [\d.]+ \|", result.stdout, re.M), result.stdout
 
 
-def test_train_script_resumes_bitwise(tmp_path: Path) -> None:
-    """--save after 4 steps, --resume for 4 more: the weights of 8 steps in one run, bitwise."""
+def test_train_script_resumes_bitwise(tmp_path: Path, adam_run: tuple[float, float, Path]) -> None:
+    """--save after 15 steps, --resume for 15 more: the weights of 30 steps in one run, bitwise."""
     import torch
 
-    _train("--steps", "8", "--save", str(tmp_path / "whole.pt"))
-    _train("--steps", "4", "--save", str(tmp_path / "half.pt"))
-    _train("--resume", str(tmp_path / "half.pt"), "--steps", "4", "--save", str(tmp_path / "resumed.pt"))
-    whole, resumed = (torch.load(tmp_path / f, weights_only=True) for f in ("whole.pt", "resumed.pt"))
-    assert whole["step"] == resumed["step"] == 8
+    _train("--steps", "15", "--save", str(tmp_path / "half.pt"))
+    _train("--resume", str(tmp_path / "half.pt"), "--steps", "15", "--save", str(tmp_path / "resumed.pt"))
+    whole = torch.load(adam_run[2], weights_only=True)
+    resumed = torch.load(tmp_path / "resumed.pt", weights_only=True)
+    assert whole["step"] == resumed["step"] == 30
     assert all(torch.equal(whole["model"][k], resumed["model"][k]) for k in whole["model"])
 
 
@@ -180,9 +204,10 @@ def test_train_script_with_decay_clipping_and_ema_resumes_bitwise(tmp_path: Path
 
 def test_amp_bench_smoke() -> None:
     """scripts/bench_amp.py: a row per inner optimizer, with the bare step, both loss scales and
-    GradScaler."""
+    GradScaler. Ours on its foreach path: the fused one's first step compiles a kernel (~14 s of
+    CPU), which tests/amp and tests/optim/test_fused.py check."""
     script = TRAIN.with_name("bench_amp.py")
-    inner = ["AdamOptimizer (ours, fused)", "torch Adam (fused)"]
+    inner = ["AdamOptimizer (ours, foreach)", "torch Adam (fused)"]
     args = ["--workload", "1M", "--warmup", "1", "--repeats", "2", "--inner", *inner]
     result = subprocess.run(
         [sys.executable, str(script), *args],

@@ -1504,6 +1504,7 @@ def _run_scoped(tf_python: str, *args: Any) -> dict[str, Any]:
     return json.loads(result.stdout.strip().splitlines()[-1])
 
 
+@pytest.mark.tf_live
 @pytest.mark.parametrize("layout", SCOPED_LAYOUTS)
 def test_scoped_and_paired_optimizers_load_continue_and_go_back(
     layout: str, tmp_path: Path, tf_python: str
