@@ -234,8 +234,8 @@ def set_step_replay(enabled: bool) -> bool:
 
     With ``fused=True`` on the CPU, a ``step()`` whose groups, hyperparameters,
     parameters, gradients' metadata and slots are as at the last step skips the
-    checks that found them so (about 15% of a step over a million parameters in
-    a hundred tensors, 4-7% over ten million in a thousand; see docs/fused.md).
+    checks that found them so (about 9% of a step over a million parameters in
+    a hundred tensors, 12% over ten million in a thousand; see docs/fused.md).
     The numbers are the same either way: a replayed step computes every scalar
     through the rule's own update. Off, every step takes the whole path.
     """
