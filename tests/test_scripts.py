@@ -59,6 +59,15 @@ def _train(*args: str, timeout: float = 60) -> tuple[float, float]:
     return float(match[1]), float(match[2])
 
 
+def _run_script(script: Path, args: list[str], *, timeout: float) -> str:
+    """Run ``python script *args``; its stdout, once it has exited with 0 (else its output's ends)."""
+    result = subprocess.run(
+        [sys.executable, str(script), *args], capture_output=True, text=True, timeout=timeout, check=False
+    )
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    return result.stdout
+
+
 @pytest.mark.skipif(importlib.util.find_spec("torch_xla") is None, reason="torch_xla is not installed")
 @pytest.mark.parametrize("style", ["torch", "tf"])
 def test_train_script_on_xla_prints_the_cpu_numbers(style: str) -> None:
@@ -120,22 +129,14 @@ def test_tf_checkpoint_bench_smoke_with_tensorflow(tf_python: str) -> None:
 
 def _tf_checkpoint_bench(args: list[str], expected: set[str]) -> None:
     script = TRAIN.with_name("bench_tf_checkpoint.py")
-    result = subprocess.run(
-        [sys.executable, str(script), "--mb", "0.3", "--tensors", "3", "--repeats", "1", *args],
-        capture_output=True,
-        text=True,
-        timeout=scaled(300),
-        check=False,
-    )
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    args = ["--mb", "0.3", "--tensors", "3", "--repeats", "1", *args]
+    stdout = _run_script(script, args, timeout=scaled(300))
     readers = dict(
-        re.findall(
-            r"^\| ([^|]+?) \| [\d.]+ \| [\d.]+ \| (\d+) \| -?\d+ \| -?[\d.]+x \|$", result.stdout, re.M
-        )
+        re.findall(r"^\| ([^|]+?) \| [\d.]+ \| [\d.]+ \| (\d+) \| -?\d+ \| -?[\d.]+x \|$", stdout, re.M)
     )
-    assert set(readers) == expected, result.stdout
+    assert set(readers) == expected, stdout
     assert all(int(peak) > 0 for peak in readers.values())
-    assert re.search(r"^\| save_tf_checkpoint \(ours\) \| [\d.]+ \|", result.stdout, re.M), result.stdout
+    assert re.search(r"^\| save_tf_checkpoint \(ours\) \| [\d.]+ \|", stdout, re.M), stdout
 
 
 def test_train_script_resumes_bitwise(tmp_path: Path, adam_run: tuple[float, float, Path]) -> None:
@@ -209,37 +210,23 @@ def test_amp_bench_smoke() -> None:
     script = TRAIN.with_name("bench_amp.py")
     inner = ["AdamOptimizer (ours, foreach)", "torch Adam (fused)"]
     args = ["--workload", "1M", "--warmup", "1", "--repeats", "2", "--inner", *inner]
-    result = subprocess.run(
-        [sys.executable, str(script), *args],
-        capture_output=True,
-        text=True,
-        timeout=scaled(300),
-        check=False,
-    )
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    stdout = _run_script(script, args, timeout=scaled(300))
     overhead = r"\*{0,2}[+-][\d.]+%\*{0,2}"
-    rows = re.findall(rf"^\| (.+?) \| [\d.]+(?: \| [\d.]+ \| {overhead}){{3}} \|$", result.stdout, re.M)
-    assert rows == inner, result.stdout
+    rows = re.findall(rf"^\| (.+?) \| [\d.]+(?: \| [\d.]+ \| {overhead}){{3}} \|$", stdout, re.M)
+    assert rows == inner, stdout
 
 
 def test_amp_bench_checks_smoke() -> None:
     """scripts/bench_amp.py --checks: a time for each gradient pass, after the compiled read-only
     check was seen to catch an infinity (the script raises otherwise)."""
     script = TRAIN.with_name("bench_amp.py")
-    result = subprocess.run(
-        [sys.executable, str(script), "--checks", "--quick"],
-        capture_output=True,
-        text=True,
-        timeout=scaled(300),
-        check=False,
-    )
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
-    rows = re.findall(r"^\| (.+?) \| ([\d.]+) \|$", result.stdout, re.M)
+    stdout = _run_script(script, ["--checks", "--quick"], timeout=scaled(300))
+    rows = re.findall(r"^\| (.+?) \| ([\d.]+) \|$", stdout, re.M)
     assert [name.split(",")[0].split(":")[0] for name, _ in rows] == [
         "torch check-and-unscale",
         "read-only check",
         "floor",
-    ], result.stdout
+    ], stdout
     assert all(float(ms) > 0 for _, ms in rows)
 
 
@@ -247,19 +234,12 @@ def test_clip_bench_smoke() -> None:
     """scripts/bench_clip.py: a row per workload with both clips, both norms and the floor."""
     script = TRAIN.with_name("bench_clip.py")
     args = ["--workload", "1M", "--warmup", "1", "--repeats", "2", "--threads", "1"]
-    result = subprocess.run(
-        [sys.executable, str(script), *args],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        check=False,
-    )
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    stdout = _run_script(script, args, timeout=300)
     number = r"[\d.]+"
     ratio = r"\*{0,2}[\d.]+x\*{0,2}"
     row = rf"^\| 1M \(100 x 10,000\) \| {number} \(\d+%\) \| {number} \(\d+%\) \| {ratio} \| {number} "
     row += rf"\| {number} \| {ratio} \| {number} \| \d+% \|$"
-    assert re.search(row, result.stdout, re.M), result.stdout
+    assert re.search(row, stdout, re.M), stdout
 
 
 def test_decay_bench_smoke() -> None:
@@ -268,33 +248,26 @@ def test_decay_bench_smoke() -> None:
     script = TRAIN.with_name("bench_decay.py")
     args = ["--quick", "--inner", "5", "--decay", "exponential", "--train-decay", "cosine"]
     args += ["--optimizer", "GradientDescentOptimizer", "--threads", "1", "--clock", "cpu"]
-    result = subprocess.run(
-        [sys.executable, str(script), *args],
-        capture_output=True,
-        text=True,
-        timeout=scaled(120),
-        check=False,
-    )
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    stdout = _run_script(script, args, timeout=scaled(120))
     cell = r"[\d.]+ \(\d+%\)"
     decays = re.findall(
         rf"^\| (\w+) \| (\w+) \| {cell} \| {cell} \| [+-][\d.]+ \| [\d.]+x \| {cell} \| {cell} \|$",
-        result.stdout,
+        stdout,
         re.M,
     )
-    assert decays == [("exponential", "ExponentialLR"), ("cosine", "CosineAnnealingLR")], result.stdout
+    assert decays == [("exponential", "ExponentialLR"), ("cosine", "CosineAnnealingLR")], stdout
     row = r"^\| GradientDescentOptimizer \| ([^|]+) \| \d+ \(\d+%\) "
     row += r"\| (—|[+-]\d+) \| (—|[\d.]+) \| (—|[\d.]+%) \|$"
-    steps = re.findall(row, result.stdout, re.M)
+    steps = re.findall(row, stdout, re.M)
     assert [name for name, *_ in steps] == [
         "constant lr",
         "DecayLR",
         "torch CosineAnnealingLR",
         "constant lr, TF style",
         "decay callable, TF style",
-    ], result.stdout
-    assert [cost == "—" for _, cost, _, _ in steps] == [True, False, False, True, False], result.stdout
-    assert all(float(alone) > 0 for _, _, alone, _ in steps if alone != "—"), result.stdout
+    ], stdout
+    assert [cost == "—" for _, cost, _, _ in steps] == [True, False, False, True, False], stdout
+    assert all(float(alone) > 0 for _, _, alone, _ in steps if alone != "—"), stdout
 
 
 def test_ema_bench_smoke() -> None:
@@ -302,15 +275,8 @@ def test_ema_bench_smoke() -> None:
     foreach and loop updates, AveragedModel, the bare lerp and the floor, and their ratios."""
     script = TRAIN.with_name("bench_ema.py")
     args = ["--workload", "1M", "--warmup", "1", "--repeats", "2", "--threads", "1", "--no-fused"]
-    result = subprocess.run(
-        [sys.executable, str(script), *args],
-        capture_output=True,
-        text=True,
-        timeout=scaled(120),
-        check=False,
-    )
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    stdout = _run_script(script, args, timeout=scaled(120))
     cell = r"[\d.]+ \(\d+%\)"
     row = rf"^\| 1M \| — \| {cell} \| {cell} \| {cell} \| {cell} \| {cell} \| — \| \*{{0,2}}[\d.]+x\*{{0,2}} "
     row += r"\| — \| — \|$"
-    assert re.search(row, result.stdout, re.M), result.stdout
+    assert re.search(row, stdout, re.M), stdout
