@@ -108,22 +108,34 @@ def test_amp_kernels_unscale_and_update_as_gradscaler():
     assert scale.item() == 16.0, _named("torch._amp_update_scale_", "DynamicLossScale's update runs")
 
 
-def test_tracing_and_transforms_are_recognised():
-    assert not internals.tracing_or_transforming()
+@pytest.mark.parametrize("check", ["tracing_or_transforming", "dispatching_or_transforming"])
+def test_tracing_and_transforms_are_recognised(check: str):
+    recognised = getattr(internals, check)
+    assert not recognised()
     seen = []
 
     def f(x):
-        seen.append(internals.tracing_or_transforming())
+        seen.append(recognised())
         return x * 2
 
     torch.func.vmap(f)(torch.ones(2, 2))
-    assert seen == [True], _named("torch._C._functorch.peek_interpreter_stack", "kept number tensors avoid")
+    what = "kept number tensors and step replay avoid"
+    assert seen == [True], _named("torch._C._functorch.peek_interpreter_stack", what)
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     with FakeTensorMode():
-        assert internals.tracing_or_transforming(), _named(
-            "torch._C._len_torch_dispatch_stack", "kept number tensors avoid"
+        assert recognised(), _named("torch._C._len_torch_dispatch_stack", what)
+
+
+@pytest.mark.parametrize("mode", [True, False])
+def test_grad_mode_is_set_as_torch_sets_it(mode: bool):
+    with torch.set_grad_enabled(not mode):
+        internals.set_grad_mode(mode)
+        assert torch.is_grad_enabled() is mode, _named(
+            "torch._C._set_grad_enabled", "a replayed step turns grad mode off with"
         )
+        w = torch.ones(2, requires_grad=True)
+        assert (w * 2).requires_grad is mode
 
 
 def test_dcp_init_is_recognised():

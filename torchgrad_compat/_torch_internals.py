@@ -13,8 +13,9 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import operator
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -24,10 +25,14 @@ from torch.optim.optimizer import _default_to_fused_or_foreach, _global_optimize
 # ---------------------------------------------------------------- tensors and autograd
 
 
-def version(t: Tensor) -> int:
-    """``t._version``: autograd's count of in-place writes to ``t`` (kept tensors are trusted only
-    while it stands still)."""
-    return t._version
+# ``version(t)``: ``t._version``, autograd's count of in-place writes to ``t`` (kept tensors are
+# trusted only while it stands still). An attrgetter, which ``map`` calls without a Python frame.
+version: Callable[[Tensor], int] = operator.attrgetter("_version")
+
+# ``set_grad_mode(enabled)``: grad mode on or off for this thread, as ``torch.set_grad_enabled``
+# sets it (``torch._C._set_grad_enabled``, without the context manager object that function
+# makes; that function where this torch lacks it).
+set_grad_mode: Callable[[bool], Any] = getattr(torch._C, "_set_grad_enabled", torch.set_grad_enabled)
 
 
 def sparse_rows(g: Tensor) -> Tensor:
@@ -132,6 +137,14 @@ def tracing_or_transforming() -> bool:
     )
 
 
+def dispatching_or_transforming() -> bool:
+    """Whether ops run under a dispatch mode or a functorch transform (:func:`tracing_or_transforming`
+    for a caller that knows it runs outside ``torch.compile``)."""
+    return (
+        bool(torch._C._len_torch_dispatch_stack()) or torch._C._functorch.peek_interpreter_stack() is not None
+    )
+
+
 def called_from_dcp_init() -> bool:
     """Whether ``torch.distributed.checkpoint``'s ``_init_optim_state`` is the caller (a few frames up).
 
@@ -141,7 +154,7 @@ def called_from_dcp_init() -> bool:
     the step, whose state the checkpoint's then overwrites. Under
     ``torch.compile`` nothing is looked up (DCP does not compile its call).
     """
-    if torch.compiler.is_compiling() or DCP_STATE_DICT not in sys.modules:
+    if DCP_STATE_DICT not in sys.modules or torch.compiler.is_compiling():
         return False
     frame = sys._getframe(2)
     for _ in range(16):

@@ -375,6 +375,39 @@ def test_a_scalar_a_rule_computes_at_each_step_is_not_replayed_stale(monkeypatch
     assert len(whole) == 1 and len(calls) == 5  # (four steps replayed)
 
 
+def test_a_hyperparameter_tensor_written_after_a_replayed_step_is_made_again(monkeypatch):
+    """A replayed step hands the rule the hyperparameter tensors its record kept (see _StepReplay)
+    only while nothing has written to them: one written in place after a replayed step sends the
+    next step down the whole path, which makes the tensor again from the group's number."""
+    rule = tgo.GradientDescentOptimizer._apply_dense
+    seen = []
+
+    def watching(self, group, params, grads, slots, non_slot, hyper, path):
+        seen.append(hyper.lr)
+        rule(self, group, params, grads, slots, non_slot, hyper, path)
+
+    monkeypatch.setattr(tgo.GradientDescentOptimizer, "_apply_dense", watching)
+    whole = []
+    apply = optim_optimizer.Optimizer._apply
+    monkeypatch.setattr(
+        optim_optimizer.Optimizer, "_apply", lambda self, *a: whole.append(1) or apply(self, *a)
+    )
+    gen = torch.Generator().manual_seed(0)
+    params = [torch.nn.Parameter(torch.randn(s, generator=gen)) for s in SHAPES if s != (1,)]
+    expected = [p.detach().clone() for p in params]
+    opt = tgo.GradientDescentOptimizer(params, learning_rate=0.375, fused=True)
+    for step in range(5):
+        for p, e in zip(params, expected, strict=True):
+            p.grad = torch.randn(p.shape, generator=gen)
+            e.sub_(p.grad * torch.tensor(0.375))
+        opt.step()
+        if step == 2:
+            seen[-1].fill_(4.0)
+    assert all(torch.equal(p.detach(), e) for p, e in zip(params, expected, strict=True))
+    assert len(whole) == 2 and len(seen) == 5  # (steps 1, 2 and 4 replayed)
+    assert seen[3] is not seen[2] and seen[4] is seen[3] and seen[3].item() == 0.375
+
+
 class _With:
     """``hyper`` with some of its scalars replaced."""
 

@@ -249,21 +249,38 @@ class HyperScalars:
     parameter's device, so the update math needs no host synchronisation.
     """
 
-    def __init__(self, values: dict[str, Any], dtype: torch.dtype, device: torch.device):
+    def __init__(
+        self, values: dict[str, Any], dtype: torch.dtype, device: torch.device, *, kept: bool = False
+    ):
         self._values = values
-        self._cache: dict[str, Tensor] = {}
+        # kept: reused from step to step (a replayed step's), so it remembers the tensors it
+        # handed out and their versions then (see unchanged).
+        self._made: list[Tensor] | None = [] if kept else None
+        self._versions: list[int] = []
         self.dtype = dtype
         self.device = device
 
     def __getattr__(self, name: str) -> Tensor:
+        # (Called once per name: the tensor is then an attribute of its own.)
         if name.startswith("_"):
             raise AttributeError(name)
-        cache = self._cache
-        if name not in cache:
-            if name not in self._values:
-                raise AttributeError(f"no hyperparameter named {name!r}")
-            cache[name] = self.tensor(self._values[name])
-        return cache[name]
+        if name not in self._values:
+            raise AttributeError(f"no hyperparameter named {name!r}")
+        made = self.__dict__[name] = self._handed_out(self.tensor(self._values[name]))
+        return made
+
+    def _handed_out(self, made: Tensor) -> Tensor:
+        if self._made is not None:
+            self._made.append(made)
+            self._versions.append(version(made))
+        return made
+
+    def unchanged(self) -> bool:
+        """Whether nothing has written in place to a tensor it handed out (which a step that
+        reuses it would then read), for one made with ``kept=True``."""
+        if self._made is None:
+            raise RuntimeError("HyperScalars.unchanged() needs kept=True: no versions were kept")
+        return list(map(version, self._made)) == self._versions
 
     def tensor(self, value: float | Tensor) -> Tensor:
         """``value`` rounded to float32 (a float64 tensor keeps its precision), then cast to this
@@ -276,9 +293,10 @@ class HyperScalars:
 
     @property
     def one(self) -> Tensor:
-        if "one" not in self._cache:
-            self._cache["one"] = number_tensor(1, self.dtype, self.device)
-        return self._cache["one"]
+        one = self.__dict__.get("_one")
+        if one is None:
+            one = self.__dict__["_one"] = self._handed_out(number_tensor(1, self.dtype, self.device))
+        return one
 
     def value(self, name: str) -> Any:
         """The evaluated Python-level value (a number or a tensor), for branching."""

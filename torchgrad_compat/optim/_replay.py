@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 import torch
 from torch import Tensor
 
-from .._torch_internals import tracing_or_transforming
+from .._torch_internals import dispatching_or_transforming, set_grad_mode
 from ._census import _same_entries, _same_objects
 from ._checks import GRAD_OF
 from ._fused.run import FusedStep
@@ -20,8 +20,6 @@ from ._numerics import _HALF_DTYPES, _compute_dtype
 
 if TYPE_CHECKING:
     from ._census import SameMeta, _SlotRecord
-    from ._fused.kernel import _FusedKernel
-    from ._fused.plan import _FusedPlan
     from ._fused.run import Unscaling
     from .optimizer import Optimizer
 
@@ -38,14 +36,15 @@ class _ReplayedGroup(NamedTuple):
     keys: list[Any]
     values: list[Any]
     everyone: list[Tensor]  # the group's parameters, as listed
-    has_grad: list[bool]  # whether each had a gradient
+    has_grad: list[bool] | None  # whether each had a gradient; None where every one had
     params: list[Tensor]  # those that had one: the ones updated
     census: SameMeta  # of the updated parameters and their gradients
     slot_record: _SlotRecord | None
     dicts: list[dict[str, Any]]  # the updated parameters' slot dicts
-    kernel: _FusedKernel
-    plan: _FusedPlan
+    fused: FusedStep  # what the replayed step tells run_fused (its recorded call)
     evaluated: dict[str, Any]  # the group's hyperparameters as the step evaluated them
+    hyper: HyperScalars  # their tensors, made at the first replay and kept while unchanged
+    ends: bool  # whether the rule ends a group (non-slot state or its own _finish)
 
 
 class _StepReplay:
@@ -140,7 +139,8 @@ class _StepReplay:
         if len(calls) != len(groups) or any(call is None for call in calls):
             return None
         records = []
-        for gi, (group, (kernel, plan, rows)) in enumerate(zip(groups, calls, strict=True)):
+        ends = bool(optimizer._non_slot_keys) or type(optimizer)._overrides("_finish")
+        for gi, (group, (call, rows)) in enumerate(zip(groups, calls, strict=True)):
             params, grads = lists[gi]
             everyone = list(group["params"])
             has_grad = list(map(operator.is_not, map(GRAD_OF, everyone), itertools.repeat(None)))
@@ -157,14 +157,15 @@ class _StepReplay:
                     list(group),
                     list(group.values()),
                     everyone,
-                    has_grad,
+                    None if all(has_grad) else has_grad,
                     list(params),
                     census_of[gi],
                     slot_records[gi],
                     dicts,
-                    kernel,
-                    plan,
+                    FusedStep(True, replaying=call),
                     evaluated[gi],
+                    HyperScalars(evaluated[gi], _compute_dtype(params[0].dtype), params[0].device, kept=True),
+                    ends,
                 )
             )
         state = optimizer.state
@@ -174,16 +175,16 @@ class _StepReplay:
         """Take the step as recorded if everything it depends on is as it was; else change nothing
         and return False. ``unscaling``: the step's kernels are to unscale the gradients (see
         ``Optimizer.step``)."""
-        if not _enabled or torch.is_inference_mode_enabled() or tracing_or_transforming():
+        if not _enabled or torch.is_inference_mode_enabled() or dispatching_or_transforming():
             return False
-        # (Grad mode off as torch.no_grad() turns it off, without its decorator's four calls:
-        # a quarter of what a replayed step adds to its kernels over a hundred tensors.)
+        # (Grad mode off as torch.no_grad() turns it off, without the Python calls of its
+        # decorator or context manager: a replayed step's host time is counted in calls.)
         grad_mode = torch.is_grad_enabled()
-        torch.set_grad_enabled(False)
+        set_grad_mode(False)
         try:
             return self._run(optimizer, unscaling)
         finally:
-            torch.set_grad_enabled(grad_mode)
+            set_grad_mode(grad_mode)
 
     def _run(self, optimizer: Optimizer, unscaling: Unscaling | None) -> bool:
         groups = optimizer.param_groups
@@ -201,27 +202,31 @@ class _StepReplay:
             ):
                 return False
             grads = list(map(GRAD_OF, kept.everyone))
-            has_grad = list(map(operator.is_not, grads, itertools.repeat(None)))
-            if has_grad != kept.has_grad:
-                return False
-            if len(kept.params) != len(grads):
+            if kept.has_grad is not None:  # (the same parameters must have none now)
+                has_grad = list(map(operator.is_not, grads, itertools.repeat(None)))
+                if has_grad != kept.has_grad:
+                    return False
                 grads = list(itertools.compress(grads, has_grad))
+            # (Where every parameter had a gradient, one that has none now fails the census.)
             params, dicts, slot_record = kept.params, kept.dicts, kept.slot_record
             if not kept.census.holds([*params, *grads]):
                 return False
             if slot_record is not None and not slot_record.holds(dicts):
                 return False
+            if not kept.hyper.unchanged():
+                return False
             updates.append((group, kept, grads))
         for gi, (group, kept, grads) in enumerate(updates):
             params = kept.params
-            non_slot = optimizer.non_slot_state(group)
-            hyper = HyperScalars(kept.evaluated, _compute_dtype(params[0].dtype), params[0].device)
-            fused = FusedStep(True, unscaling=unscaling, replaying=(kept.kernel, kept.plan))
+            non_slot = optimizer.non_slot_state(group) if kept.ends else {}
+            fused = kept.fused
+            fused.unscaling = unscaling
             slots = kept.dicts or [{}] * len(params)
-            optimizer._update_bucket(group, params, grads, slots, non_slot, hyper, fused)
-            optimizer._end_group(gi, group, non_slot, kept.evaluated)
-            # (The group's non-slot tensors are the new ones _end_group put there.)
-            kept.values[:] = group.values()
+            optimizer._update_bucket(group, params, grads, slots, non_slot, kept.hyper, fused)
+            if kept.ends:
+                optimizer._end_group(gi, group, non_slot, kept.evaluated)
+                # (The group's non-slot tensors are the new ones _end_group put there.)
+                kept.values[:] = group.values()
         return True
 
 

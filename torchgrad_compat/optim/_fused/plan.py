@@ -205,7 +205,7 @@ class _FusedPlan:
             return
         # The generated code leaves autograd's version counters of what it writes to its caller.
         if self.as_they_are:
-            bump_versions(list(itertools.chain(lists[0], *lists[2:])))
+            bump_versions(list(itertools.chain(lists[0], *lists[2:])) if len(lists) > 2 else lists[0])
         else:
             bump_versions(self.aliases)
         if "inv_scale" in scalars:  # (the gradients, unscaled in place: see _unscaling)

@@ -29,9 +29,9 @@ class FusedStep:
       took another way than one plan's kernel calls;
     - ``unscaling``: the kernels unscale the gradients in their own pass (``LossScaleOptimizer``,
       see :func:`_unscaling`);
-    - ``replaying``: the kernel and plan of the step being replayed (see ``_StepReplay``), whose
-      tensors are the very ones the plan was made for: the plan serves if the rule asks for
-      that kernel again (the same function, scalars of the same kinds and Python values).
+    - ``replaying``: the call recorded for the step being replayed (see ``_StepReplay``), whose
+      tensors are the very ones its plan was made for: it serves if the rule asks for that kernel
+      again (see :class:`RecordedCall`).
     """
 
     __slots__ = ("calls", "held", "in_step", "replaying", "unscaling")
@@ -42,7 +42,7 @@ class FusedStep:
         held: tuple[SameMeta, list[Tensor], list[Tensor], _SlotRecord | None] | None = None,
         calls: list[Any] | None = None,
         unscaling: Unscaling | None = None,
-        replaying: tuple[_FusedKernel, _FusedPlan] | None = None,
+        replaying: RecordedCall | None = None,
     ):
         self.in_step, self.held, self.calls, self.unscaling = in_step, held, calls, unscaling
         self.replaying = replaying
@@ -74,6 +74,11 @@ def run_fused(
     :class:`_FusedPlan`). On CUDA, a step's kernel calls are replayed as one
     CUDA graph while the gradients stay where they were (see :class:`_StepGraph`).
     """
+    replaying = step.replaying if step is not None else None
+    unscaling = step.unscaling if step is not None else None
+    if replaying is not None and unscaling is None and replaying.made_with(single, scalars):
+        replaying.plan.call(replaying.kernel, lists, scalars)
+        return
     for name, value in scalars.items():
         # The kernels read each tensor hyperparameter as one value (the optimizers' are 0-d); one
         # of another shape, which the loop would broadcast, would be read as its first element.
@@ -81,7 +86,6 @@ def run_fused(
             raise ValueError(
                 f"fused update: {name} must be a tensor of one element, got shape {tuple(value.shape)}"
             )
-    unscaling = step.unscaling if step is not None else None
     if unscaling is not None:
         single = _unscaling(single)
         scalars = {**scalars, "inv_scale": unscaling.inv_scale}
@@ -97,11 +101,11 @@ def run_fused(
         return
     if not lists[0]:
         return
+    given = scalars
     scalars = _distinct_scalars(scalars)
     kernel = _FusedKernel.of(single, lists, scalars)
-    replaying = step.replaying if step is not None else None
-    if replaying is not None and replaying[0] is kernel:
-        replaying[1].call(kernel, lists, scalars)
+    if replaying is not None and replaying.kernel is kernel:
+        replaying.plan.call(kernel, lists, scalars)
         return
     plan = _FusedPlan.of(single, lists, kernel, scalars, step)
     if plan.loop_rows:
@@ -115,7 +119,45 @@ def run_fused(
             return
     plan.call(kernel, lists, scalars)
     if calls is not None and plan.as_they_are:
-        calls[-1] = (kernel, plan, lists)
+        as_given = unscaling is None and scalars is given
+        calls[-1] = (RecordedCall(kernel, plan, single if as_given else None, given), lists)
+
+
+class RecordedCall:
+    """A fused call of a step recorded for replay (see ``_StepReplay``): its kernel and plan, and
+    the rule and scalars it was made with.
+
+    A replayed step calls the rule again, which computes its scalars afresh; where it passes the
+    very objects it passed then (the hyperparameters' kept tensors, Python numbers, flags), the
+    kernel is the one found then and nothing is looked up or checked again. ``single`` is None
+    where that cannot be told by identity (the kernels unscaled the gradients, or two scalars
+    were one tensor, which the kernel got a copy of).
+    """
+
+    __slots__ = ("kernel", "plan", "scalars", "single")
+
+    def __init__(
+        self,
+        kernel: _FusedKernel,
+        plan: _FusedPlan,
+        single: Callable[..., None] | None,
+        scalars: dict[str, Any],
+    ):
+        self.kernel, self.plan, self.single, self.scalars = kernel, plan, single, scalars
+
+    def made_with(self, single: Callable[..., None], scalars: dict[str, Any]) -> bool:
+        """Whether a call of ``single`` with ``scalars`` is this call again: the same function and
+        the same scalar objects under the same names."""
+        recorded = self.scalars
+        if single is not self.single or len(scalars) != len(recorded):
+            return False
+        for name, value in scalars.items():
+            if recorded.get(name, _MISSING) is not value:
+                return False
+        return True
+
+
+_MISSING = object()
 
 
 class Unscaling:
