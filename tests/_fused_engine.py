@@ -1,8 +1,8 @@
 """The fused engine's settings as tests outside the engine's own change them, in one place.
 
-Tests of behaviour (TF parity, faults, distributed runs) go through ``fused=True`` too; they
-compile the engine's kernels for chunks of 4 tensors, which compile in seconds where the
-default chunk takes tens of seconds, and a few start from no compiled kernel. Only this module
+Every test compiles the engine's kernels for chunks of 4 tensors (tests/conftest.py; spawned
+ranks call :func:`use_small_chunks`), which compile in half the time of the default chunk's,
+and a few start from no compiled kernel. Only this module
 and the engine's own tests (tests/optim/test_fused.py) name the engine's private modules.
 """
 

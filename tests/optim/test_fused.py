@@ -1,8 +1,8 @@
 """fused=True: the reference loop compiled by torch.compile, against the reference path and torch's rules.
 
-The fused kernels take ``FUSED_CHUNK`` tensors a call; these tests use chunks
-of 4, so that a handful of parameters already spans full chunks, a padded last
-chunk and the tensors the kernel leaves to the loop (one element, not
+The fused kernels take ``FUSED_CHUNK`` tensors a call; the tests use chunks of 4
+(tests/conftest.py), so that a handful of parameters already spans full chunks, a
+padded last chunk and the tensors the kernel leaves to the loop (one element, not
 contiguous), and so that compiling stays quick.
 """
 
@@ -63,8 +63,7 @@ STEPS = 3
 
 
 @pytest.fixture(autouse=True)
-def _small_chunks(monkeypatch):
-    monkeypatch.setattr(fused_config, "FUSED_CHUNK", 4)
+def _no_counters():
     counters.clear()
 
 

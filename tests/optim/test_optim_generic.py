@@ -500,9 +500,7 @@ MISFIT_DATA = {
 @pytest.mark.parametrize("path", ["loop", "foreach", "fused"])
 @pytest.mark.parametrize("misfit", list(MISFIT_DATA))
 @pytest.mark.parametrize(("spec", "cid"), DEFAULT_CONFIGS, ids=DEFAULT_IDS)
-def test_step_refuses_a_gradient_replaced_through_data(
-    spec: OptimSpec, cid: str, misfit: str, path: str, small_fused_chunks
-):
+def test_step_refuses_a_gradient_replaced_through_data(spec: OptimSpec, cid: str, misfit: str, path: str):
     """A p.grad whose .data no longer fits its parameter is refused by name before anything
     changes, on every path: the fused kernels would otherwise read it past its end."""
     params = _params()

@@ -170,7 +170,7 @@ def test_matches_tensorflow(case: dict[str, Any], mode: str) -> None:
     ("case", "mode"),
     [pytest.param(case, mode, id=f"{case['id']}-{mode}") for case in MANIFEST for mode in MODES],
 )
-def test_fused_matches_tensorflow(case: dict[str, Any], mode: str, small_fused_chunks) -> None:
+def test_fused_matches_tensorflow(case: dict[str, Any], mode: str) -> None:
     """The same fixtures through fused=True (chunks of 4 tensors, so that compiling stays quick)."""
     assert_matches_tensorflow(case, mode, fused=True)
 
@@ -199,7 +199,7 @@ def _approximated_by_tensorflow(case: dict[str, Any], what: str) -> bool:
     [pytest.param(case, mode, id=f"{case['id']}-{mode}") for case in MANIFEST for mode in MODES],
 )
 def test_tensorflow_bits_where_its_kernels_do_not_approximate(
-    case: dict[str, Any], mode: str, path: dict[str, Any], small_fused_chunks
+    case: dict[str, Any], mode: str, path: dict[str, Any]
 ) -> None:
     """Square roots correctly rounded (TF's are), duplicate rows summed in TF's order, sparse Adam's
     square scaled as a TF1 session computes it, the scalar code of TF's sparse kernels for rows of
@@ -218,9 +218,7 @@ def test_tensorflow_bits_where_its_kernels_do_not_approximate(
     ("case", "mode"),
     [pytest.param(case, mode, id=f"{case['id']}-{mode}") for case in MANIFEST for mode in MODES],
 )
-def test_cuda_matches_tensorflow(
-    case: dict[str, Any], mode: str, path: dict[str, Any], small_fused_chunks
-) -> None:
+def test_cuda_matches_tensorflow(case: dict[str, Any], mode: str, path: dict[str, Any]) -> None:
     """The fixtures on a GPU, through the default path (foreach) and fused=True (Triton kernels)."""
     assert_matches_tensorflow(case, mode, "cuda", **path)
 
