@@ -280,6 +280,17 @@ def test_a_replayed_step_ends_as_the_whole_path(monkeypatch, spec: OptimSpec, ci
     assert all(torch.equal(a, b) for a, b in zip(replayed, whole, strict=True))
 
 
+def _count_whole_steps(monkeypatch) -> list[int]:
+    """A list that gets an entry for each step that takes the whole path (Optimizer._apply), for
+    the rest of the test; a replayed step adds none."""
+    whole: list[int] = []
+    apply = optim_optimizer.Optimizer._apply
+    monkeypatch.setattr(
+        optim_optimizer.Optimizer, "_apply", lambda self, *a: whole.append(1) or apply(self, *a)
+    )
+    return whole
+
+
 @contextlib.contextmanager
 def _no_step_replay():
     previous = tgo.set_step_replay(False)
@@ -300,11 +311,7 @@ def test_a_training_loop_takes_the_whole_path_twice_then_replays(
     there to be checked) and is recorded; the following steps replay it. Also inside a
     LossScaleOptimizer, which checks and unscales the gradients first (dynamic) or leaves that
     to the kernels (fixed); the replayed steps end bitwise as steps that take the whole path."""
-    whole = []
-    apply = optim_optimizer.Optimizer._apply
-    monkeypatch.setattr(
-        optim_optimizer.Optimizer, "_apply", lambda self, *a: whole.append(1) or apply(self, *a)
-    )
+    whole = _count_whole_steps(monkeypatch)
     replayed = _six_steps(spec, cid, scale, fixed)
     assert len(whole) == (2 if spec.slots else 1)
     with _no_step_replay():
@@ -355,11 +362,7 @@ def test_a_scalar_a_rule_computes_at_each_step_is_not_replayed_stale(monkeypatch
         rule(self, group, params, grads, slots, non_slot, _With(hyper, lr=lr), path)
 
     monkeypatch.setattr(tgo.GradientDescentOptimizer, "_apply_dense", halving)
-    whole = []
-    apply = optim_optimizer.Optimizer._apply
-    monkeypatch.setattr(
-        optim_optimizer.Optimizer, "_apply", lambda self, *a: whole.append(1) or apply(self, *a)
-    )
+    whole = _count_whole_steps(monkeypatch)
     gen = torch.Generator().manual_seed(0)
     params = [torch.nn.Parameter(torch.randn(s, generator=gen)) for s in SHAPES if s != (1,)]
     expected = [p.detach().clone() for p in params]
@@ -386,11 +389,7 @@ def test_a_hyperparameter_tensor_written_after_a_replayed_step_is_made_again(mon
         rule(self, group, params, grads, slots, non_slot, hyper, path)
 
     monkeypatch.setattr(tgo.GradientDescentOptimizer, "_apply_dense", watching)
-    whole = []
-    apply = optim_optimizer.Optimizer._apply
-    monkeypatch.setattr(
-        optim_optimizer.Optimizer, "_apply", lambda self, *a: whole.append(1) or apply(self, *a)
-    )
+    whole = _count_whole_steps(monkeypatch)
     gen = torch.Generator().manual_seed(0)
     params = [torch.nn.Parameter(torch.randn(s, generator=gen)) for s in SHAPES if s != (1,)]
     expected = [p.detach().clone() for p in params]
